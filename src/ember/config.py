@@ -1,0 +1,288 @@
+"""Typed configuration: TOML recipes, dotted `--set` overrides, validation.
+
+A run is described by one `Config` with five sections (model, data, optim, schedule,
+train). Recipes in `configs/` set what differs from the defaults below; `--set
+section.key=value` overrides one field from the command line. Every mistake a user can
+make here raises `ConfigError` with one sentence that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user's mistake in a recipe, an override or a command-line value."""
+
+
+@dataclass
+class ModelConfig:
+    objective: str = "causal"  # "mlm" (masked LM) or "causal"
+    vocab_size: int = 0  # 0 = the prepared data's vocabulary; the embedding is padded up from it
+    vocab_multiple: int = 128  # pad the embedding to a multiple of this for fast matmuls
+    hidden: int = 768
+    layers: int = 12
+    heads: int = 12
+    mlp_hidden: int = 3072
+    activation: str = "gelu"  # gelu, geglu, swiglu
+    norm: str = "layernorm"  # layernorm, rmsnorm
+    norm_eps: float = 1e-5
+    bias: bool = False
+    positions: str = "learned"  # learned, sinusoidal, rotary
+    rope_theta: float = 10000.0
+    max_seq_len: int = 1024
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    scaled_residual_init: bool = True  # GPT-2: output projections std / sqrt(2 * layers)
+    sparse_prediction: bool = True  # MLM only: the output layer sees masked positions only
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+
+@dataclass
+class DataConfig:
+    mlm_rate: float = 0.15
+    mask_token_frac: float = 0.8  # of the chosen positions: replaced by [MASK]
+    random_token_frac: float = 0.1  # replaced by a random token; the rest stay unchanged
+    seed: int = 0  # shuffling and masking
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip: float = 1.0  # gradient-norm clipping; 0 turns it off
+
+
+@dataclass
+class ScheduleConfig:
+    lr: str = "cosine"  # triangle, cosine, wsd, constant
+    warmup: float = 0.02  # fraction of the budget
+    decay: float = 0.2  # wsd: fraction of the budget spent decaying at the end
+    min_lr_ratio: float = 0.1  # cosine and wsd end at lr * min_lr_ratio
+    triangle_start: float = 0.25  # triangle starts at this fraction of the peak lr
+    triangle_peak: float = 0.75  # triangle peaks at this fraction of the budget
+    batch_start: int = 0  # sequences per step at the start of the ramp; 0 = no ramp
+    batch_ramp: float = 0.0  # fraction of the budget by which the full batch is reached
+
+
+@dataclass
+class TrainConfig:
+    budget: str = "200steps"  # 10m, 2h, 1e8tok, 500steps; --budget overrides
+    micro_batch: int = 16  # sequences per forward pass
+    global_batch: int = 64  # sequences per optimizer step
+    log_every: int = 10  # steps
+    eval_every: str = "100steps"  # steps or a time such as 5m
+    eval_batches: int = 8
+    checkpoint_every: str = "30m"  # steps or a time; a final checkpoint is always written
+    keep_checkpoints: int = 2
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere), bf16, fp32
+    compile: bool = False
+    device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
+    seed: int = 0  # model initialisation and dropout
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "model.objective": ("mlm", "causal"),
+    "model.activation": ("gelu", "geglu", "swiglu"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.positions": ("learned", "sinusoidal", "rotary"),
+    "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
+    "train.precision": ("auto", "bf16", "fp32"),
+}
+
+
+def _coerce(name: str, value: Any, current: Any) -> Any:
+    """Convert `value` to the type of the field's default, or explain why it cannot."""
+    kind = type(current)
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, bool):
+            return value
+    elif kind is int and not isinstance(value, bool):
+        try:
+            number = float(value)
+            if number == int(number):
+                return int(number)
+        except (TypeError, ValueError):
+            pass
+    elif kind is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif kind is str:
+        return str(value)
+    elif kind is list:
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if isinstance(value, list):
+            try:
+                return [type(current[0])(v) for v in value] if current else list(value)
+            except (TypeError, ValueError):
+                pass
+    raise ConfigError(f"{name} must be a {kind.__name__}, not {value!r}.")
+
+
+def _set(config: Config, dotted: str, value: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    section = getattr(config, section_name, None)
+    if not dataclasses.is_dataclass(section) or not key:
+        sections = ", ".join(f.name for f in dataclasses.fields(Config))
+        raise ConfigError(f"unknown config section in {dotted!r}; sections are {sections}.")
+    names = [f.name for f in dataclasses.fields(section)]
+    if key not in names:
+        raise ConfigError(f"unknown config key {dotted!r}; {section_name} has {', '.join(names)}.")
+    setattr(section, key, _coerce(dotted, value, getattr(section, key)))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML recipe at `path`, then `section.key=value` overrides."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist.")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML ({err}).") from None
+        for section_name, section in data.items():
+            if not isinstance(section, dict):
+                raise ConfigError(f"{path}: top-level key {section_name!r} must be a [section].")
+            for key, value in section.items():
+                _set(config, f"{section_name}.{key}", value)
+    for item in overrides:
+        dotted, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} must look like section.key=value.")
+        _set(config, dotted.strip(), value.strip())
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    for dotted, choices in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value not in choices:
+            raise ConfigError(f"{dotted} must be one of {', '.join(choices)}, not {value!r}.")
+    m, t = config.model, config.train
+    if m.hidden % m.heads:
+        raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads}).")
+    if m.positions == "rotary" and (m.hidden // m.heads) % 2:
+        raise ConfigError("rotary positions need an even head size (model.hidden / model.heads).")
+    if m.vocab_size < 0:
+        raise ConfigError("model.vocab_size must be 0 (take it from the data) or positive.")
+    for name in ("vocab_multiple", "hidden", "layers", "heads", "mlp_hidden", "max_seq_len"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} must be at least 1.")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout must be in [0, 1).")
+    d = config.data
+    if not 0.0 < d.mlm_rate < 1.0:
+        raise ConfigError("data.mlm_rate must be between 0 and 1.")
+    if d.mask_token_frac + d.random_token_frac > 1.0 or min(d.mask_token_frac, d.random_token_frac) < 0:
+        raise ConfigError("data.mask_token_frac + data.random_token_frac must lie in [0, 1].")
+    if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
+        raise ConfigError(
+            f"train.global_batch ({t.global_batch}) must be a positive multiple of "
+            f"train.micro_batch ({t.micro_batch})."
+        )
+    s = config.schedule
+    if s.batch_start and (s.batch_start < t.micro_batch or s.batch_start > t.global_batch):
+        raise ConfigError("schedule.batch_start must lie between train.micro_batch and train.global_batch.")
+    for name in ("warmup", "decay", "batch_ramp", "triangle_peak", "triangle_start", "min_lr_ratio"):
+        if not 0.0 <= getattr(s, name) <= 1.0:
+            raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")
+    if len(config.optim.betas) != 2:
+        raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
+    parse_budget(t.budget)
+    parse_interval(t.eval_every, "train.eval_every")
+    parse_interval(t.checkpoint_every, "train.checkpoint_every")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long a run lasts: `kind` is "seconds", "tokens" or "steps"."""
+
+    kind: str
+    amount: float
+
+    def __str__(self) -> str:
+        if self.kind == "seconds":
+            return f"{self.amount:g}s"
+        return f"{self.amount:g}{'tok' if self.kind == 'tokens' else 'steps'}"
+
+
+_UNITS = {
+    "s": ("seconds", 1), "sec": ("seconds", 1), "m": ("seconds", 60), "min": ("seconds", 60),
+    "h": ("seconds", 3600), "d": ("seconds", 86400),
+    "tok": ("tokens", 1), "tokens": ("tokens", 1), "steps": ("steps", 1), "step": ("steps", 1),
+}
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str, name: str = "budget") -> Budget:
+    """'90s', '10m', '2h', '1e8tok', '500steps' -> Budget."""
+    match = _BUDGET.match(str(text))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"{name} {text!r} is not understood; write a time (90s, 10m, 2h), "
+            "tokens (1e8tok) or steps (500steps)."
+        )
+    kind, scale = unit
+    return Budget(kind, float(match.group(1)) * scale)
+
+
+def parse_interval(text: str, name: str) -> Budget:
+    """Intervals (eval, checkpoint) are steps or times; tokens make no sense there."""
+    interval = parse_budget(text, name)
+    if interval.kind == "tokens":
+        raise ConfigError(f"{name} must be a number of steps (100steps) or a time (5m), not {text!r}.")
+    return interval
+
+
+def to_toml(config: Config) -> str:
+    """The resolved configuration as TOML; every value is a scalar or a flat list."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for section, fields in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {value(v)}" for key, v in fields.items()]
+        lines.append("")
+    return "\n".join(lines)
