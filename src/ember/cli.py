@@ -1,0 +1,122 @@
+"""The `ember` command. Thin: it parses arguments and calls one function per verb.
+
+A user's mistake ends with one sentence on stderr and exit status 2; an interrupted
+training run saves a checkpoint and exits with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from ember.config import ConfigError
+
+
+def _cmd_corpus(args) -> int:
+    from ember.data.corpus import write_stdlib_corpus
+
+    stats = write_stdlib_corpus(Path(args.out))
+    print(f"wrote {stats['documents']:,} documents ({stats['characters'] / 1e6:.1f} M characters) "
+          f"from {stats['files']:,} standard-library files to {args.out}")
+    return 0
+
+
+def _cmd_prepare(args) -> int:
+    from ember.data.prepare import prepare
+
+    manifest = prepare(
+        [Path(p) for p in args.inputs], Path(args.out), tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size, seq_len=args.seq_len, val_fraction=args.val_fraction,
+        seed=args.seed, progress=not args.quiet,
+    )
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    print(f"prepared {train['tokens']:,} train and {val['tokens']:,} held-out tokens "
+          f"(vocabulary {manifest['vocab_size']:,}, sequences of {manifest['seq_len']}) in {args.out}")
+    return 0
+
+
+def _cmd_train(args) -> int:
+    from ember.config import load_config
+    from ember.train.trainer import Trainer
+
+    config = load_config(args.config, args.set or [])
+    trainer = Trainer(config, Path(args.data), Path(args.out), budget=args.budget,
+                      resume=args.resume, progress=not args.quiet)
+    summary = trainer.run()
+    _print_summary(summary)
+    if summary["status"] == "interrupted":
+        print("stopped early; continue with the same command and --resume", file=sys.stderr)
+        return 128 + (signal.SIGINT if trainer.stopped_by is None else trainer.stopped_by)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    lines = [f"{s['status']} after {s['steps']:,} steps, {s['tokens']:,} tokens, {s['elapsed_s']:.0f}s on {s['device']}",
+             f"  train loss {s['train_loss']:.4f}   held-out loss {s['val_loss']:.4f}"]
+    if s.get("unigram_entropy"):
+        lines[-1] += f"   (unigram baseline {s['unigram_entropy']:.4f})"
+    lines.append(f"  {s['tokens_per_s']:,.0f} tokens/s   run directory {s['run_dir']}")
+    print("\n".join(lines))
+
+
+def _cmd_report(args) -> int:
+    from ember.report import plot, summary_text
+
+    run_dir = Path(args.run_dir)
+    text = summary_text(run_dir)
+    pngs = plot(run_dir)
+    print(text)
+    print("plots      " + ", ".join(str(p) for p in pngs))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Pretrain transformer language models.")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    data = verbs.add_parser("data", help="prepare text into token shards").add_subparsers(dest="data_verb", required=True)
+    corpus = data.add_parser("corpus", help="write the built-in corpus (Python standard-library docstrings)")
+    corpus.add_argument("--out", required=True, help="JSON-lines file to write")
+    corpus.set_defaults(func=_cmd_corpus)
+    prep = data.add_parser("prepare", help="train or load a tokenizer, tokenize, pack into shards")
+    prep.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders")
+    prep.add_argument("--out", required=True, help="folder for shards, tokenizer.json and manifest.json")
+    prep.add_argument("--tokenizer", default="bpe", help="wordpiece (masked LM), bpe (causal LM) or a tokenizer.json")
+    prep.add_argument("--vocab-size", type=int, default=8192)
+    prep.add_argument("--seq-len", type=int, default=128)
+    prep.add_argument("--val-fraction", type=float, default=0.01)
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(func=_cmd_prepare)
+
+    train = verbs.add_parser("train", help="train a model on prepared data")
+    train.add_argument("config", help="TOML recipe, e.g. configs/cram-bert.toml")
+    train.add_argument("--data", required=True, help="folder written by `ember data prepare`")
+    train.add_argument("--out", required=True, help="run directory")
+    train.add_argument("--budget", help="10m, 2h, 1e8tok or 500steps (overrides train.budget)")
+    train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=_cmd_train)
+
+    report = verbs.add_parser("report", help="plots and a summary of a run")
+    report.add_argument("run_dir")
+    report.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from ember.data import DataError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError) as err:
+        print(f"ember: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The training loop, budget-keyed schedules, checkpoints and metrics."""

@@ -1,0 +1,55 @@
+"""Which device a run uses, in which precision, and what that device can do at peak."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ember.config import ConfigError
+from ember.plan.hardware import peak_flops
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device asks for CUDA but this machine has no CUDA GPU; use train.device=auto.")
+    return device
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA by default; fp32 (None) elsewhere unless asked for."""
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of the device, or None where it is not known (CPUs)."""
+    return peak_flops(device_name(device)) if device.type == "cuda" else None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

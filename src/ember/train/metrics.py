@@ -1,0 +1,82 @@
+"""What a run tells its user: `metrics.jsonl` (one JSON object per logged step) and a
+`rich` progress bar with loss, tokens/s, MFU and time left."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class MetricsLog:
+    """Appends one line per record and flushes it, so a killed run keeps its history."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = Path(path)
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._file = open(self.path, "a")
+
+    def _truncate_after(self, step: int) -> None:
+        """Lines logged after the checkpoint we resume from will be logged again."""
+        kept = [
+            line for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class ProgressBar:
+    """The budget as a bar: 0..1 of steps, tokens or seconds, whichever the run was given."""
+
+    def __init__(self, enabled: bool, description: str):
+        self.console = Console(stderr=True)
+        self._progress = None
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.percentage:>5.1f}%"),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("left"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._progress.add_task(description, total=1.0, stats="")
+            self._progress.start()
+
+    def update(self, fraction: float, stats: dict[str, Any] | None = None) -> None:
+        if self._progress is None:
+            return
+        fields = {}
+        if stats:
+            fields["stats"] = "  ".join(f"{k} {v}" for k, v in stats.items())
+        self._progress.update(self._task, completed=fraction, **fields)
+
+    def print(self, text: str) -> None:
+        self.console.print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,53 @@
+"""Schedules keyed to the budget: learning rate and batch size as functions of the
+fraction of the budget spent, so a run cut off by its clock still ends annealed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ember.config import Budget, ScheduleConfig
+
+
+@dataclass
+class Progress:
+    """How much of the budget a run has used; saved in every checkpoint."""
+
+    step: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+
+    def fraction(self, budget: Budget) -> float:
+        used = {"steps": self.step, "tokens": self.tokens, "seconds": self.elapsed_s}[budget.kind]
+        return min(1.0, used / budget.amount)
+
+
+def lr_factor(fraction: float, s: ScheduleConfig) -> float:
+    """Multiplier of the peak learning rate at `fraction` (0..1) of the budget."""
+    f = min(max(fraction, 0.0), 1.0)
+    if s.lr == "triangle":
+        # Cramming: start at a fraction of the peak, climb to the peak, fall linearly to 0.
+        if f < s.triangle_peak:
+            return s.triangle_start + (1.0 - s.triangle_start) * f / s.triangle_peak
+        return (1.0 - f) / (1.0 - s.triangle_peak) if s.triangle_peak < 1.0 else 1.0
+    if s.warmup > 0 and f < s.warmup:
+        return f / s.warmup
+    if s.lr == "constant":
+        return 1.0
+    if s.lr == "cosine":
+        progress = (f - s.warmup) / max(1e-12, 1.0 - s.warmup)
+        return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # warmup-stable-decay: flat until the last `decay` of the budget, then linear down.
+    decay_start = 1.0 - s.decay
+    if f < decay_start or s.decay == 0:
+        return 1.0
+    return 1.0 - (1.0 - s.min_lr_ratio) * (f - decay_start) / s.decay
+
+
+def batch_size(fraction: float, s: ScheduleConfig, global_batch: int, micro_batch: int) -> int:
+    """Sequences in the optimizer step at `fraction`: a linear ramp from
+    `batch_start` to `global_batch`, rounded down to whole micro-batches."""
+    if not s.batch_start or s.batch_ramp <= 0 or fraction >= s.batch_ramp:
+        return global_batch
+    size = s.batch_start + (global_batch - s.batch_start) * fraction / s.batch_ramp
+    return max(micro_batch, int(size) // micro_batch * micro_batch)

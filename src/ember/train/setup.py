@@ -1,0 +1,66 @@
+"""Checks and parts the trainer needs before its first step: the optimizer, and the
+agreement of config, data and an existing run, refused in one sentence when they clash."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import torch
+
+from ember.config import Config, ConfigError, OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with no weight decay on norms and biases (every tensor of fewer than 2 dims)."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=device.type == "cuda")
+
+
+def check_data_fits(config: Config, manifest: dict) -> None:
+    """Resolve `model.vocab_size = 0` from the data and refuse a model the shards outgrow."""
+    m = config.model
+    data_vocab, seq_len = int(manifest["vocab_size"]), int(manifest["seq_len"])
+    if m.vocab_size == 0:
+        m.vocab_size = data_vocab
+    elif m.vocab_size < data_vocab:
+        raise ConfigError(
+            f"model.vocab_size ({m.vocab_size}) is smaller than the data's vocabulary "
+            f"({data_vocab}); set model.vocab_size={data_vocab} or 0 to take it from the data."
+        )
+    if m.max_seq_len < seq_len:
+        raise ConfigError(
+            f"model.max_seq_len ({m.max_seq_len}) is shorter than the data's sequences "
+            f"({seq_len}); set model.max_seq_len={seq_len} or prepare with --seq-len {m.max_seq_len}."
+        )
+    if m.objective == "mlm" and manifest["special_tokens"].get("mask") is None:
+        raise ConfigError("the data's tokenizer has no mask token, so it cannot train a masked LM; "
+                          "prepare it with --tokenizer wordpiece or bpe.")
+
+
+# Keys that may change between an interrupted run and its resumption.
+_MAY_CHANGE = {("train", "budget"), ("train", "device"), ("train", "compile"),
+               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every")}
+
+
+def check_resume_config(config: Config, saved_path: Path) -> None:
+    """A resumed run must be the same run: refuse changes that would alter its losses."""
+    if not saved_path.exists():
+        return
+    saved = tomllib.loads(saved_path.read_text())
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            if (section, key) in _MAY_CHANGE:
+                continue
+            old = saved.get(section, {}).get(key)
+            if old is not None and old != value:
+                raise ConfigError(
+                    f"{section}.{key} is {value!r} but the run being resumed used {old!r}; "
+                    f"resume with the same setting or start a new run in another --out."
+                )

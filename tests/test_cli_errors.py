@@ -1,0 +1,49 @@
+"""A user's mistake gets one sentence and exit status 2, before any compute is spent."""
+
+import subprocess
+
+import pytest
+
+from conftest import REPO, TINY, ember_cmd
+from ember.cli import main
+
+TINY_GPT = str(REPO / "configs/tiny-gpt.toml")
+
+
+def _train(dataset, tmp_path, *extra):
+    return ["train", TINY_GPT, "--data", str(dataset), "--out", str(tmp_path / "run"), "--quiet",
+            *[x for s in TINY for x in ("--set", s)], *extra]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--set", "model.hiden=3"], "unknown config key"),
+    (["--budget", "soon"], "not understood"),
+    (["--set", "model.vocab_size=100"], "smaller than the data's vocabulary"),
+    (["--set", "model.max_seq_len=16"], "shorter than the data's sequences"),
+])
+def test_train_mistakes(dataset, tmp_path, capsys, extra, words):
+    assert main(_train(dataset, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_missing_data_and_existing_run(dataset, tmp_path, capsys):
+    assert main(["train", TINY_GPT, "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "r")]) == 2
+    assert "manifest" in capsys.readouterr().err
+    assert main(_train(dataset, tmp_path, "--budget", "2steps")) == 0
+    capsys.readouterr()
+    assert main(_train(dataset, tmp_path, "--budget", "2steps")) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_report_of_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_no_traceback_from_the_real_command(tmp_path):
+    proc = subprocess.run(ember_cmd("data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "d")),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith("ember: error:")

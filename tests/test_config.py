@@ -1,0 +1,69 @@
+import pytest
+
+from ember.config import Config, ConfigError, load_config, parse_budget, to_toml
+
+
+def test_recipe_then_overrides(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[model]\nhidden = 128\nheads = 4\n[optim]\nbetas = [0.9, 0.98]\n')
+    cfg = load_config(recipe, ["model.layers=3", "optim.lr=1e-3", "model.bias=true"])
+    assert (cfg.model.hidden, cfg.model.layers, cfg.model.bias) == (128, 3, True)
+    assert cfg.optim.lr == 1e-3 and cfg.optim.betas == [0.9, 0.98]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.hiden=3", "unknown config key"),
+    ("modle.hidden=3", "unknown config section"),
+    ("model.layers=two", "must be a int"),
+    ("model.activation=relu", "must be one of"),
+    ("model.heads=5", "divisible"),
+    ("train.global_batch=10", "multiple of"),
+    ("train.budget=forever", "not understood"),
+    ("train.eval_every=1e6tok", "steps"),
+    ("layers=3", "unknown config section"),
+])
+def test_mistakes_are_one_clear_sentence(override, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        load_config(None, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nhidden=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("text, kind, amount", [
+    ("90s", "seconds", 90), ("10m", "seconds", 600), ("2h", "seconds", 7200),
+    ("1e8tok", "tokens", 1e8), ("500steps", "steps", 500), ("1.5h", "seconds", 5400),
+])
+def test_budgets(text, kind, amount):
+    budget = parse_budget(text)
+    assert (budget.kind, budget.amount) == (kind, amount)
+
+
+@pytest.mark.parametrize("text", ["", "10", "ten minutes", "0steps", "5 parsecs"])
+def test_bad_budgets(text):
+    with pytest.raises(ConfigError):
+        parse_budget(text)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["model.objective=mlm", "optim.eps=1e-12", "train.budget=2h"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+    assert load_config(path) != Config()
+
+
+def test_every_recipe_loads():
+    from pathlib import Path
+
+    recipes = sorted(Path(__file__).parents[1].glob("configs/*.toml"))
+    assert len(recipes) >= 5
+    for recipe in recipes:
+        load_config(recipe)
