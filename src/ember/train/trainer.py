@@ -49,8 +49,11 @@ class _StopFlag:
 
 class Trainer:
     def __init__(self, config: Config, data_dir: Path, run_dir: Path, budget: str | None = None,
-                 resume: bool = False, progress: bool = True):
+                 resume: bool = False, progress: bool = True, model: torch.nn.Module | None = None):
+        """`model` trains a given module (same forward signature as `Transformer`) in
+        place of the one `config.model` describes; FLOPs are still counted from it."""
         self.cfg = config
+        self._given_model = model
         self.data_dir, self.run_dir = Path(data_dir), Path(run_dir)
         if budget is not None:
             config.train.budget = budget
@@ -79,7 +82,8 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
-        self.model = Transformer(cfg.model).to(self.device)
+        model = self._given_model if self._given_model is not None else Transformer(cfg.model)
+        self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed)

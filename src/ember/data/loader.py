@@ -1,0 +1,93 @@
+"""Batches: sequences from memory-mapped shards in a seeded order that resumes exactly.
+
+The state is one integer, the number of *global* sequences consumed. Sequence order is
+a permutation of the whole split drawn from (seed, epoch); each rank takes its
+contiguous slice of every global batch. So a run can stop and resume on another number
+of ranks and still see the same sequences in the same order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ember.data.errors import DataError
+
+
+class Batches:
+    def __init__(self, data_dir: Path, manifest: dict, split: str = "train", seed: int = 0,
+                 rank: int = 0, world: int = 1):
+        if split not in manifest["splits"]:
+            raise DataError(f"the data has no {split!r} split; it has {', '.join(manifest['splits'])}.")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} must lie in [0, world={world}).")
+        self.split, self.seed, self.rank, self.world = split, seed, rank, world
+        self.seq_len = int(manifest["seq_len"])
+        self.shards = [np.load(Path(data_dir) / s["file"], mmap_mode="r")
+                       for s in manifest["splits"][split]["shards"]]
+        sizes = [len(s) for s in self.shards]
+        self.starts = np.cumsum([0] + sizes)  # first global index of each shard, then the total
+        self.size = int(self.starts[-1])
+        self.position = 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.size if self.size else 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            # Keep only the epochs a batch can touch: this one and the next.
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.size)
+        return self._orders[epoch]
+
+    def _indices(self, start: int, count: int) -> np.ndarray:
+        """Sequence indices at global positions start .. start+count-1, across epochs."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.size)
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            where = epochs == epoch
+            out[where] = self._order(int(epoch))[offsets[where]]
+        return out
+
+    def _gather(self, indices: np.ndarray) -> torch.Tensor:
+        """Rows at `indices`, read in ascending order per shard for memmap locality."""
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        order = np.argsort(indices, kind="stable")
+        sorted_idx = indices[order]
+        shard_of = np.searchsorted(self.starts, sorted_idx, side="right") - 1
+        for shard in np.unique(shard_of):
+            where = shard_of == shard
+            out[order[where]] = self.shards[shard][sorted_idx[where] - self.starts[shard]]
+        return torch.from_numpy(out)
+
+    def next(self, global_n: int) -> torch.Tensor:
+        """This rank's share, (global_n // world, seq_len), of the next global batch."""
+        if global_n < 1 or global_n % self.world:
+            raise ValueError(f"global batch {global_n} must be a positive multiple of world size {self.world}.")
+        if self.size == 0:
+            raise DataError(f"the {self.split} split holds no sequences; prepare more text or a lower --seq-len.")
+        k = global_n // self.world
+        rows = self._gather(self._indices(self.position + self.rank * k, k))
+        self.position += global_n
+        return rows
+
+    def fixed(self, n: int) -> torch.Tensor:
+        """The first `n` sequences in file order (all if fewer): a fixed evaluation set."""
+        n = min(n, self.size)
+        return self._gather(np.arange(n, dtype=np.int64))
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state.get("seed", self.seed))
+        self._orders = {}

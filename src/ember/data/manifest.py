@@ -1,0 +1,60 @@
+"""Load a prepared folder's manifest.json and check that its shards are really there."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ember.data.errors import DataError
+
+FORMAT = "ember-shards/1"
+_REQUIRED = ("vocab_size", "seq_len", "dtype", "special_tokens", "splits")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str, verify: bool) -> None:
+    path = data_dir / shard["file"]
+    if not path.is_file():
+        raise DataError(f"shard {path} is missing; prepare the data again.")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as err:
+        raise DataError(f"shard {path} is not a readable .npy file ({err}); prepare the data again.") from None
+    if array.shape != (shard["sequences"], seq_len) or array.dtype != np.dtype(dtype):
+        raise DataError(f"shard {path} holds {array.dtype} {array.shape}, not the {dtype} "
+                        f"({shard['sequences']}, {seq_len}) the manifest names; prepare the data again.")
+    if verify and file_sha256(path) != shard["sha256"]:
+        raise DataError(f"shard {path} does not match its checksum; it is damaged, prepare the data again.")
+
+
+def load_manifest(data_dir: Path, verify: bool = False) -> dict:
+    """The manifest of a prepared folder, after checking every shard's shape (and, with
+    `verify`, its sha256)."""
+    data_dir = Path(data_dir)
+    path = data_dir / "manifest.json"
+    if not path.is_file():  # also when the folder itself is missing
+        raise DataError(f"{data_dir} has no manifest.json; run `ember data prepare` first.")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise DataError(f"{path} is not valid JSON; prepare the data again.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise DataError(f"{path} has format {found!r}, not {FORMAT!r}; prepare the data again with this ember.")
+    missing = [key for key in _REQUIRED if key not in manifest]
+    if missing or not all(split in manifest["splits"] for split in ("train", "val")):
+        raise DataError(f"{path} lacks {', '.join(missing) or 'a train or val split'}; prepare the data again.")
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            _check_shard(data_dir, shard, int(manifest["seq_len"]), manifest["dtype"], verify)
+    return manifest
