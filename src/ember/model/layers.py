@@ -1,0 +1,121 @@
+"""The parts of a transformer block: norm, rotary positions, attention, MLP, the block.
+
+Every projection is a plain `nn.Linear` with a stable name (`q_proj`, `k_proj`, `v_proj`,
+`o_proj`; `up`, `gate`, `down`) so that tensor-parallel plans applied from outside can
+address them; nothing here knows about devices, precision or parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import ModelConfig
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoFormer) in the rotate-half layout of GPT-NeoX/Llama:
+    dimension i is paired with i + d/2 and the pair is rotated by pos * theta^(-2i/d)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [max_seq_len, head_dim]
+        # Derived from the config, so kept out of checkpoints; float64 then rounded once.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, heads, T, head_dim] -> x rotated by its position along T."""
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads
+        self.causal = cfg.objective == "causal"
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.rotary = (Rotary(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+                       if cfg.positions == "rotary" else None)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        # [B, T, hidden] -> [B, heads, T, head_dim]; -1 lets a tensor-parallel shard
+        # (fewer local heads) pass through unchanged.
+        batch, seq, _ = x.shape
+        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        # Packed sequences without padding: MLM attends everywhere, causal LM to the past.
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                             is_causal=self.causal)
+        batch, _, seq, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """gelu: down(gelu(up x)); geglu/swiglu: down(act(gate x) * up x), both of width mlp_hidden."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        self.up = nn.Linear(cfg.hidden, cfg.mlp_hidden, bias=cfg.bias)
+        self.gate = (nn.Linear(cfg.hidden, cfg.mlp_hidden, bias=cfg.bias)
+                     if cfg.activation in ("geglu", "swiglu") else None)
+        self.down = nn.Linear(cfg.mlp_hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "gelu":
+            return self.down(F.gelu(self.up(x)))
+        act = F.gelu if self.activation == "geglu" else F.silu
+        return self.down(act(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        # Residual dropout as in GPT-2/BERT; a no-op at the default dropout of 0.
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+def sinusoidal_table(max_seq_len: int, hidden: int) -> torch.Tensor:
+    """The fixed position table of Vaswani et al. (sin on even, cos on odd dimensions),
+    scaled by 1/sqrt(hidden) as in FLASH and Cramming. Unscaled, its entries (RMS 0.7)
+    would drown token embeddings initialised at std 0.02, and a small masked LM then
+    learns visibly slower (Vaswani et al. scale the tokens up by sqrt(hidden) instead)."""
+    position = torch.arange(max_seq_len, dtype=torch.float64)[:, None]
+    inv_freq = torch.exp(torch.arange(0, hidden, 2, dtype=torch.float64) * (-math.log(10000.0) / hidden))
+    table = torch.zeros(max_seq_len, hidden, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)[:, : hidden // 2]
+    return (table / math.sqrt(hidden)).float()

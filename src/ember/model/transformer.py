@@ -1,0 +1,106 @@
+"""One pre-norm transformer for both objectives: a masked LM (BERT, Cramming) and a
+causal LM (GPT-2, Llama). The objective only decides the attention mask and whether the
+output layer sees every position or the masked ones alone."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.model.layers import Block, make_norm, sinusoidal_table
+
+IGNORE = -100  # label of positions that predict nothing (the data side's convention)
+
+
+class Transformer(nn.Module):
+    """Attributes are the targets of parallelism plans applied from outside: `embed`,
+    `pos_embed` (learned positions only), `blocks` (an nn.ModuleList), `norm`, `head`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("ModelConfig.vocab_size must be resolved (> 0) before building the model.")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.padded_vocab, cfg.hidden)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden) if cfg.positions == "learned" else None
+        if cfg.positions == "sinusoidal":
+            # Fixed, so kept out of checkpoints and the optimizer.
+            self.register_buffer("pos_table", sinusoidal_table(cfg.max_seq_len, cfg.hidden), persistent=False)
+        else:
+            self.pos_table = None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, init_std) weights, zero biases, unit norm gains; with scaled_residual_init the
+        projections that write into the residual stream get std / sqrt(2 * layers), so the
+        stream's variance stays about the same whatever the depth (GPT-2)."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is not self.head or not self.cfg.tie_embeddings:
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        if self.cfg.scaled_residual_init:
+            residual_std = std / math.sqrt(2 * self.cfg.layers)
+            for block in self.blocks:
+                nn.init.normal_(block.attn.o_proj.weight, mean=0.0, std=residual_std)
+                nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Trainable parameters, a tied weight counted once; optionally without the token
+        and learned position embeddings (a tied head goes with its embedding)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed.weight.numel()
+            if self.pos_embed is not None:
+                total -= self.pos_embed.weight.numel()
+        return total
+
+    def trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> hidden states [B, T, hidden] after the last block, before
+        the final norm."""
+        seq = input_ids.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model max_seq_len {self.cfg.max_seq_len}.")
+        x = self.embed(input_ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(seq, device=input_ids.device))
+        elif self.pos_table is not None:
+            x = x + self.pos_table[:seq].to(x.dtype)
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Without labels: logits [B, T, padded_vocab]. With labels: the cross-entropy over
+        positions whose label is not -100, averaged ("mean") or summed ("sum"; the
+        trainer divides by the targets of a whole step, across accumulation and ranks)."""
+        h = self.trunk(input_ids)
+        if labels is None:
+            return self.head(self.norm(h))
+        if self.cfg.objective == "mlm" and self.cfg.sparse_prediction:
+            # Only masked positions are predicted, so only they pass through the largest
+            # matmul of a masked LM; norm is per token, so gathering first changes nothing.
+            keep = labels != IGNORE
+            h, labels = h[keep], labels[keep]
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE, reduction=reduction)
