@@ -25,7 +25,7 @@ data/stdlib.jsonl: | install
 	$(BIN)/ember data corpus --out $@
 
 data/demo/manifest.json: data/stdlib.jsonl
-	$(BIN)/ember data prepare data/stdlib.jsonl --out data/demo --tokenizer bpe --vocab-size 8192 --seq-len 128
+	$(BIN)/ember data prepare data/stdlib.jsonl --out data/demo --tokenizer bpe --vocab-size 4096 --seq-len 128
 
 demo: install data/demo/manifest.json
 	$(BIN)/ember train configs/tiny-gpt.toml --data data/demo --out $(RUN)

@@ -74,7 +74,7 @@ def hf_model(family: str, s: dict, padded_vocab: int):
     if family == "gpt2":
         cfg = tf.GPT2Config(vocab_size=padded_vocab, n_positions=s["seq"], n_embd=s["hidden"], n_layer=s["layers"],
                             n_head=s["heads"], n_inner=s["mlp"], resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, **common)
+                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
         return tf.GPT2LMHeadModel(cfg)
     cfg = tf.LlamaConfig(vocab_size=padded_vocab, hidden_size=s["hidden"], intermediate_size=s["mlp"],
                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
