@@ -125,6 +125,7 @@ def main() -> int:
     corpus = work / "stdlib.jsonl"
     if not corpus.exists():
         write_stdlib_corpus(corpus)
+    runs = Path(tempfile.mkdtemp(dir=work, prefix="runs-"))  # data is reused, runs never are
     rows = []
     for family in args.families.split(","):
         recipe, tokenizer, cpu_shape, gpu_shape = FAMILIES[family]
@@ -142,9 +143,9 @@ def main() -> int:
 
         cfg.model.vocab_size = vocab
         ember_model = Transformer(cfg.model)
-        ours = run_one(family, data_dir, work / f"run-{family}-ember", overrides, args.seconds, ember_model)
+        ours = run_one(family, data_dir, runs / f"{family}-ember", overrides, args.seconds, ember_model)
         torch.manual_seed(0)
-        theirs = run_one(family, data_dir, work / f"run-{family}-hf", overrides, args.seconds,
+        theirs = run_one(family, data_dir, runs / f"{family}-transformers", overrides, args.seconds,
                          HFLossAdapter(hf_model(family, shape, padded)))
         row = {"family": family, "shape": shape, "ember": ours, "transformers": theirs,
                "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"]}

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(func=_cmd_train)
 
+    # Verbs that live beside their code register themselves here, one line each.
+
     report = verbs.add_parser("report", help="plots and a summary of a run")
     report.add_argument("run_dir")
     report.set_defaults(func=_cmd_report)
