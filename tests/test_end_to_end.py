@@ -54,5 +54,6 @@ def test_report_writes_plots_and_summary(dataset, tmp_path):
     subprocess.run(ember_cmd(*args), check=True, capture_output=True)
     out = subprocess.run(ember_cmd("report", str(run)), check=True, capture_output=True, text=True).stdout
     assert "held-out" in out and "tokens/s" in out
+    assert (run / "tokenizer.json").read_text() == (dataset / "tokenizer.json").read_text()
     for png in ("loss.png", "throughput.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG"

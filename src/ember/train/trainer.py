@@ -4,6 +4,7 @@ held-out evaluation, checkpoints, clean stops on SIGINT/SIGTERM and exact resume
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -137,6 +138,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / count, float(norm), count
 
+    def _record_data(self) -> None:
+        """Make the run directory self-contained for evaluation and export: its tokenizer,
+        and where its data came from."""
+        tokenizer = self.data_dir / self.manifest.get("tokenizer_file", "tokenizer.json")
+        if tokenizer.exists():
+            shutil.copyfile(tokenizer, self.run_dir / "tokenizer.json")
+        data = {"data_dir": str(self.data_dir.resolve()), "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
+                "seq_len": self.seq_len, "vocab_size": self.manifest["vocab_size"],
+                "special_tokens": self.manifest["special_tokens"]}
+        (self.run_dir / "data.json").write_text(json.dumps(data, indent=1))
+
     def _state(self, progress: Progress) -> dict[str, Any]:
         return {"progress": asdict(progress), "data": self.train_data.state_dict(),
                 "budget": str(self.budget)}
@@ -156,6 +168,7 @@ class Trainer:
             progress = Progress(**state["progress"])
             self.train_data.load_state_dict(state["data"])
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+        self._record_data()
         log = MetricsLog(self.run_dir / "metrics.jsonl",
                          resume_step=progress.step if self.resume_from is not None else None)
         bar = ProgressBar(self.show_progress, f"{self.cfg.model.objective} {self.budget}")
