@@ -92,10 +92,15 @@ class Trainer:
         self.val_ids = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed).fixed(n_val)
         self.peak = device_peak_flops(self.device)
 
-    def _targets(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _targets(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(inputs, labels) on the device, and the number of targets, counted on the host
+        so that no step waits for the GPU to report it."""
         inputs, labels = make_targets(ids, self.cfg.model.objective, self.cfg.data,
                                       self.manifest["special_tokens"], self.manifest["vocab_size"], seed)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        count = int((labels != -100).sum())
+        if self.device.type == "cuda":
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True), count
 
     def _flops_per_token(self, predicted_fraction: float) -> float:
         return model_flops_per_token(self.cfg.model, self.seq_len, predicted_fraction)
@@ -110,21 +115,20 @@ class Trainer:
         count = 0
         mb = self.cfg.train.micro_batch
         for start in range(0, len(self.val_ids), mb):
-            inputs, labels = self._targets(self.val_ids[start:start + mb], seed=10_000_019 + start)
+            inputs, labels, n = self._targets(self.val_ids[start:start + mb], seed=10_000_019 + start)
             with autocast(self.device, self.amp_dtype):
                 total += self.forward(inputs, labels, reduction="sum").double()
-            count += int((labels != -100).sum())
+            count += n
         self.model.train()
         return float(total) / max(count, 1)
 
-    def train_step(self, n_sequences: int, lr: float) -> tuple[torch.Tensor, float, int]:
+    def train_step(self, n_sequences: int, lr: float) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer step over `n_sequences`: returns (mean loss, grad norm, targets)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         seed = self.cfg.data.seed * 1_000_003 + self.train_data.state_dict()["position"]
-        inputs, labels = self._targets(self.train_data.next(n_sequences), seed)
         # Normalise by the targets of the whole step so accumulation equals one big batch.
-        count = int((labels != -100).sum())
+        inputs, labels, count = self._targets(self.train_data.next(n_sequences), seed)
         loss_sum = torch.zeros((), device=self.device)
         mb = self.cfg.train.micro_batch
         for start in range(0, n_sequences, mb):
@@ -136,7 +140,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / count, float(norm), count
+        return loss_sum / count, norm, count  # tensors: read only when logged
 
     def _record_data(self) -> None:
         """Make the run directory self-contained for evaluation and export: its tokenizer,
@@ -239,11 +243,11 @@ class Trainer:
             return progress.step % int(interval.amount) == 0
         return progress.elapsed_s - last[1] >= interval.amount
 
-    def _record(self, progress: Progress, lr: float, grad_norm: float, window: dict) -> dict:
+    def _record(self, progress: Progress, lr: float, grad_norm: torch.Tensor, window: dict) -> dict:
         seconds = max(window["seconds"], 1e-9)
         return {
             "step": progress.step, "tokens": progress.tokens, "elapsed_s": round(progress.elapsed_s, 3),
-            "loss": self.last_loss, "lr": lr, "grad_norm": grad_norm,
+            "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": window["tokens"] / seconds,
             "mfu": window["flops"] / seconds / self.peak if self.peak else None,
         }
