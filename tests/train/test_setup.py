@@ -1,0 +1,59 @@
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, TINY
+from ember.config import ConfigError, load_config, to_toml
+from ember.model import Transformer
+from ember.train.device import autocast_dtype, pick_device
+from ember.train.setup import build_optimizer, check_data_fits, check_resume_config
+from ember.train.trainer import Trainer
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    cfg = load_config(None, ["model.vocab_size=100", "model.hidden=32", "model.heads=2", "model.layers=2",
+                             "model.mlp_hidden=64", "model.bias=true", "optim.weight_decay=0.1"])
+    model = Transformer(cfg.model)
+    decay, no_decay = build_optimizer(model, cfg.optim, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_vocabulary_resolved_from_data():
+    cfg = load_config(None, [])
+    manifest = {"vocab_size": 1000, "seq_len": 64, "special_tokens": {"mask": 4}}
+    check_data_fits(cfg, manifest)
+    assert cfg.model.vocab_size == 1000 and cfg.model.padded_vocab == 1024
+    no_mask = load_config(None, ["model.objective=mlm"])
+    with pytest.raises(ConfigError, match="no mask token"):
+        check_data_fits(no_mask, {**manifest, "special_tokens": {"mask": None}})
+
+
+def test_resume_refuses_a_changed_recipe_but_accepts_a_longer_budget(tmp_path):
+    saved = load_config(None, ["model.vocab_size=512"])
+    (tmp_path / "config.toml").write_text(to_toml(saved))
+    check_resume_config(load_config(None, ["model.vocab_size=512", "train.budget=9h"]), tmp_path / "config.toml")
+    with pytest.raises(ConfigError, match="optim.lr"):
+        check_resume_config(load_config(None, ["model.vocab_size=512", "optim.lr=1"]), tmp_path / "config.toml")
+
+
+def test_device_and_precision_choices():
+    assert pick_device("cpu").type == "cpu"
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ConfigError):
+        pick_device("warp-drive")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA"):
+            pick_device("cuda")
+
+
+def test_a_time_budget_ends_on_time_and_annealed(dataset, tmp_path):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["schedule.lr=triangle", "train.eval_every=1000steps"])
+    summary = Trainer(cfg, dataset, tmp_path / "run", budget="3s", progress=False).run()
+    assert 3.0 <= summary["elapsed_s"] < 10.0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    lrs = [json.loads(x)["lr"] for x in lines if '"lr"' in x]
+    assert max(lrs) > 0.5 * cfg.optim.lr and lrs[-1] < 0.1 * cfg.optim.lr
