@@ -80,3 +80,16 @@ def test_mlm_without_a_mask_token_is_refused():
         make_targets(_ids((2, 8)), "mlm", DataConfig(), {"sep": 3, "pad": 3, "mask": None}, VOCAB, seed=0)
     with pytest.raises(DataError, match="mlm or causal"):
         make_targets(_ids((2, 8)), "prefix", DataConfig(), SPECIALS, VOCAB, seed=0)
+
+
+def test_masks_do_not_depend_on_how_rows_are_batched():
+    # The same global rows get the same masks in one batch or split across micro-batches
+    # or ranks: what makes a multi-process layout comparable with one process.
+    ids = _ids((8, 64))
+    whole = make_targets(ids, "mlm", DataConfig(), SPECIALS, VOCAB, seed=5, first_row=100)
+    halves = [make_targets(ids[i:i + 4], "mlm", DataConfig(), SPECIALS, VOCAB, seed=5, first_row=100 + i)
+              for i in (0, 4)]
+    for part in (0, 1):
+        assert torch.equal(whole[part], torch.cat([h[part] for h in halves]))
+    shifted = make_targets(ids, "mlm", DataConfig(), SPECIALS, VOCAB, seed=5, first_row=101)
+    assert not torch.equal(whole[1], shifted[1])

@@ -92,11 +92,11 @@ class Trainer:
         self.val_ids = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed).fixed(n_val)
         self.peak = device_peak_flops(self.device)
 
-    def _targets(self, ids: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _targets(self, ids: torch.Tensor, seed: int, first_row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(inputs, labels) on the device, and the number of targets, counted on the host
         so that no step waits for the GPU to report it."""
         inputs, labels = make_targets(ids, self.cfg.model.objective, self.cfg.data,
-                                      self.manifest["special_tokens"], self.manifest["vocab_size"], seed)
+                                      self.manifest["special_tokens"], self.manifest["vocab_size"], seed, first_row)
         count = int((labels != -100).sum())
         if self.device.type == "cuda":
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
@@ -115,7 +115,7 @@ class Trainer:
         count = 0
         mb = self.cfg.train.micro_batch
         for start in range(0, len(self.val_ids), mb):
-            inputs, labels, n = self._targets(self.val_ids[start:start + mb], seed=10_000_019 + start)
+            inputs, labels, n = self._targets(self.val_ids[start:start + mb], self.cfg.data.seed + 1, start)
             with autocast(self.device, self.amp_dtype):
                 total += self.forward(inputs, labels, reduction="sum").double()
             count += n
@@ -126,9 +126,9 @@ class Trainer:
         """One optimizer step over `n_sequences`: returns (mean loss, grad norm, targets)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        seed = self.cfg.data.seed * 1_000_003 + self.train_data.state_dict()["position"]
+        first_row = self.train_data.state_dict()["position"]
         # Normalise by the targets of the whole step so accumulation equals one big batch.
-        inputs, labels, count = self._targets(self.train_data.next(n_sequences), seed)
+        inputs, labels, count = self._targets(self.train_data.next(n_sequences), self.cfg.data.seed, first_row)
         loss_sum = torch.zeros((), device=self.device)
         mb = self.cfg.train.micro_batch
         for start in range(0, n_sequences, mb):
