@@ -2,9 +2,9 @@
 
 For each model family (a Cramming BERT against `BertForMaskedLM`, GPT-2 against
 `GPT2LMHeadModel`, Llama against `LlamaForCausalLM`) both models have the same size and
-are trained on the same shards, by the same training loop (ember's, so data order,
-masking, optimizer, schedule and evaluation are identical), for the same wall-clock time.
-Only the model differs. Prints steady-state tokens/s and held-out loss of each and the
+are trained on the same shards by ember's own training step (so data order, masking,
+optimizer, schedule and evaluation are identical) for the same training time, stepping
+in alternation so that both see the same machine. Only the model differs. Prints steady-state tokens/s and held-out loss of each and the
 ratio, and writes the numbers to benchmarks/results/.
 
     python benchmarks/vs_transformers.py --device auto --seconds 60
@@ -16,9 +16,9 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,9 +28,11 @@ from ember.config import load_config
 from ember.data.corpus import write_stdlib_corpus
 from ember.data.prepare import prepare
 from ember.train.device import device_name, pick_device
+from ember.train.schedule import lr_factor
 from ember.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
+WARMUP_STEPS = 3  # excluded from tokens/s: allocation, autotuning, compilation
 
 # (family, ember recipe, tokenizer, the shape on a CPU, the shape on a GPU)
 FAMILIES = {
@@ -95,23 +97,48 @@ def ember_overrides(family: str, s: dict, args) -> list[str]:
             f"train.compile={str(args.compile).lower()}", f"train.device={args.device}"]
 
 
-def run_one(family, data_dir, run_dir, overrides, seconds, model) -> dict:
-    recipe = REPO / "configs" / FAMILIES[family][0]
-    cfg = load_config(recipe, overrides)
-    summary = Trainer(cfg, data_dir, run_dir, budget=f"{seconds}s", progress=False, model=model).run()
-    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r][2:]  # skip warm-up windows
-    mfus = [r["mfu"] for r in lines if r.get("mfu") is not None][2:]
-    params = sum(p.numel() for p in model.parameters())  # a tied weight counts once
-    return {"tokens_per_s": statistics.median(speeds) if speeds else summary["tokens_per_s"],
-            "mfu": statistics.median(mfus) if mfus else None, "val_loss": summary["val_loss"],
-            "steps": summary["steps"], "tokens": summary["tokens"], "params": params}
+def train_pair(family, data_dir, run_dir, overrides, seconds, models: dict) -> dict:
+    """Train the models in alternation, always stepping the one that has used less time,
+    until each has trained `seconds`: both see the same machine conditions, so a noisy
+    neighbour slows both instead of biasing the ratio. Steps are ember's own train_step."""
+    cfg = load_config(REPO / "configs" / FAMILIES[family][0], overrides)
+    trainers = {}
+    for name, model in models.items():
+        trainers[name] = Trainer(cfg, data_dir, Path(run_dir) / name, progress=False, model=model)
+        trainers[name].build()
+    used = {name: 0.0 for name in models}
+    steady = {name: [0.0, 0] for name in models}  # seconds and tokens after warm-up
+    steps = {name: 0 for name in models}
+    tokens_per_step = cfg.train.global_batch * trainers[next(iter(models))].seq_len
+    while min(used.values()) < seconds:
+        name = min(used, key=used.get)
+        trainer = trainers[name]
+        lr = cfg.optim.lr * lr_factor(used[name] / seconds, cfg.schedule)
+        start = time.perf_counter()
+        loss, _, _ = trainer.train_step(cfg.train.global_batch, lr)
+        float(loss)  # waits for the device, so the step is timed whole
+        elapsed = time.perf_counter() - start
+        used[name] += elapsed
+        steps[name] += 1
+        if steps[name] > WARMUP_STEPS:
+            steady[name][0] += elapsed
+            steady[name][1] += tokens_per_step
+    out = {}
+    for name, trainer in trainers.items():
+        seconds_, tokens = steady[name]
+        out[name] = {"tokens_per_s": tokens / seconds_ if seconds_ else None, "val_loss": trainer.evaluate(),
+                     "steps": steps[name], "tokens": steps[name] * tokens_per_step,
+                     "params": sum(p.numel() for p in trainer.model.parameters())}  # tied weights once
+        rate = out[name]["tokens_per_s"]
+        flops = trainer._flops_per_token(cfg.data.mlm_rate if cfg.model.objective == "mlm" else 1.0)
+        out[name]["mfu"] = rate * flops / trainer.peak if (trainer.peak and rate) else None
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="bert,gpt2,llama")
-    parser.add_argument("--seconds", type=float, default=60.0, help="wall-clock budget of each run")
+    parser.add_argument("--seconds", type=float, default=60.0, help="training time of each model")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--work", default=None, help="folder for data and runs (default: a temp dir)")
@@ -143,18 +170,22 @@ def main() -> int:
 
         cfg.model.vocab_size = vocab
         ember_model = Transformer(cfg.model)
-        ours = run_one(family, data_dir, runs / f"{family}-ember", overrides, args.seconds, ember_model)
         torch.manual_seed(0)
-        theirs = run_one(family, data_dir, runs / f"{family}-transformers", overrides, args.seconds,
-                         HFLossAdapter(hf_model(family, shape, padded)))
+        peer = HFLossAdapter(hf_model(family, shape, padded))
+        result = train_pair(family, data_dir, runs / family, overrides, args.seconds,
+                            {"ember": ember_model, "transformers": peer})
+        ours, theirs = result["ember"], result["transformers"]
         row = {"family": family, "shape": shape, "ember": ours, "transformers": theirs,
-               "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"]}
+               "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"]
+               if ours["tokens_per_s"] and theirs["tokens_per_s"] else None}
         rows.append(row)
+        if row["speedup"] is None:
+            raise SystemExit(f"{family}: too few steps to time; raise --seconds")
         print(f"{family:6s} ember {ours['tokens_per_s']:>10,.0f} tok/s  val {ours['val_loss']:.3f}  "
               f"({ours['params'] / 1e6:.1f}M params) | transformers {theirs['tokens_per_s']:>10,.0f} tok/s  "
               f"val {theirs['val_loss']:.3f}  ({theirs['params'] / 1e6:.1f}M) | speed ratio {row['speedup']:.2f}x",
               flush=True)
-        del ember_model
+        del ember_model, peer
         if on_gpu:
             torch.cuda.empty_cache()
 

@@ -8,7 +8,7 @@ from ember.train.trainer import Trainer
 def _trainer(dataset, run_dir, *overrides):
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + list(overrides))
     trainer = Trainer(cfg, dataset, run_dir, progress=False)
-    trainer._build()
+    trainer.build()
     return trainer
 
 

@@ -80,7 +80,8 @@ class Trainer:
 
     # ---- pieces -------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Model, optimizer and data; `run` calls it, tools that drive steps themselves too."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
         model = self._given_model if self._given_model is not None else Transformer(cfg.model)
@@ -165,7 +166,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._build()
+        self.build()
         progress = Progress()
         if self.resume_from is not None:
             state = ckpt.load_checkpoint(self.resume_from, self.model, self.optimizer)
