@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     # Verbs that live beside their code register themselves here, one line each.
+    from ember.plan.command import register_plan
+    register_plan(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")
     report.add_argument("run_dir")

@@ -1,5 +1,10 @@
-"""The cost model (FLOPs per token) and hardware profiles: one source of truth for the
-trainer's MFU and, later, the planner's predictions."""
+"""The cost model and the planner (`ember plan`): one source of truth for the trainer's MFU
+and the planner's predictions.
+
+cost.py (FLOPs), hardware.py (GPU table), models.py (model shapes and presets),
+cluster.py (cluster and profile files), layout.py (layouts, legality, search space),
+memory.py, comm.py and timing.py (bytes, links and seconds), predict.py (one layout),
+search.py (all layouts), report.py and command.py (what the user sees)."""
 
 from ember.plan.cost import forward_flops_per_token, matmul_params, model_flops_per_token
 from ember.plan.hardware import GPU, GPUS, find_gpu, peak_flops

@@ -17,21 +17,49 @@ it is applied to (3x forward). Per token of a sequence of length s:
   half of it.
 
 Excluded, by definition: embedding lookups (not matmuls), biases, norms, activations,
-softmax, the loss, and recomputation (that is hardware FLOPs, not model FLOPs).
+softmax, the loss, and recomputation (that is hardware FLOPs, not model FLOPs);
+`recompute_flops_per_token` adds the last for hardware-FLOPs utilisation.
+
+The functions take a `ModelConfig` or anything with the same shape fields (the planner's
+`ModelSpec`). A shape with `kv_heads` below `heads` (grouped-query attention, which
+`ModelConfig` cannot express) has smaller key and value projections: 2h² + 2·h·h_kv
+attention weights, h_kv = h·kv_heads/heads.
 """
 
 from __future__ import annotations
 
-from ember.config import ModelConfig
+from typing import Protocol
 
 
-def matmul_params(cfg: ModelConfig) -> dict[str, int]:
+class ModelShape(Protocol):
+    """What the cost model reads of a model: `ModelConfig` has all of it but `kv_heads`."""
+
+    hidden: int
+    layers: int
+    heads: int
+    mlp_hidden: int
+    activation: str
+
+    @property
+    def padded_vocab(self) -> int: ...
+
+
+def kv_hidden(cfg: ModelShape) -> int:
+    """Width of the key (and of the value) projection: `hidden` unless heads are grouped."""
+    return cfg.hidden * getattr(cfg, "kv_heads", cfg.heads) // cfg.heads
+
+
+def gated(cfg: ModelShape) -> bool:
+    return cfg.activation in ("geglu", "swiglu")
+
+
+def matmul_params(cfg: ModelShape) -> dict[str, int]:
     """Weights used in matmuls: per layer (`attention`, `mlp`, `layer`), all layers together
     (`layers`) and the output projection (`output`, hidden × padded vocabulary, counted
     also when tied to the embedding: tying shares storage, not compute)."""
     h = cfg.hidden
-    attention = 4 * h * h
-    mlp = (3 if cfg.activation in ("geglu", "swiglu") else 2) * h * cfg.mlp_hidden
+    attention = 2 * h * h + 2 * h * kv_hidden(cfg)
+    mlp = (3 if gated(cfg) else 2) * h * cfg.mlp_hidden
     return {
         "attention": attention,
         "mlp": mlp,
@@ -41,14 +69,14 @@ def matmul_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, predicted_fraction: float = 1.0) -> float:
+def forward_flops_per_token(cfg: ModelShape, seq_len: int, predicted_fraction: float = 1.0) -> float:
     """Forward-pass model FLOPs per input token (one third of a training step's)."""
     params = matmul_params(cfg)
     return (2.0 * params["layers"] + 2.0 * params["output"] * predicted_fraction
             + 4.0 * cfg.layers * cfg.hidden * seq_len)
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int, predicted_fraction: float = 1.0) -> float:
+def model_flops_per_token(cfg: ModelShape, seq_len: int, predicted_fraction: float = 1.0) -> float:
     """Training (forward + backward) model FLOPs per input token:
     6·(matmul weights of the layers) + 6·(output projection)·predicted_fraction
     + 12·layers·hidden·seq_len.
@@ -58,3 +86,26 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, predicted_fraction: fl
     if not 0.0 <= predicted_fraction <= 1.0:
         raise ValueError(f"predicted_fraction must lie in [0, 1], not {predicted_fraction}.")
     return 3.0 * forward_flops_per_token(cfg, seq_len, predicted_fraction)
+
+
+def layer_matmuls(cfg: ModelShape) -> dict[str, tuple[int, int]]:
+    """Each weight matmul of a block as (input width, output width) before any tensor-parallel
+    split; the products add up to `matmul_params(cfg)["layer"]`. Column-parallel layers
+    (`qkv`, `up`) split the output width, row-parallel ones (`out`, `down`) the input width."""
+    h, f = cfg.hidden, cfg.mlp_hidden
+    return {"qkv": (h, h + 2 * kv_hidden(cfg)), "out": (h, h),
+            "up": (h, (2 if gated(cfg) else 1) * f), "down": (f, h)}
+
+
+def recompute_flops_per_token(cfg: ModelShape, seq_len: int, policy: str) -> float:
+    """FLOPs per token that activation recomputation adds to a training step (the difference
+    between hardware and model FLOPs). `full` reruns every block's forward pass; `selective`
+    (Korthikanti et al. 2022) reruns only the attention core, softmax(Q·Kᵀ)·V; `none` adds 0."""
+    attention_core = 4.0 * cfg.layers * cfg.hidden * seq_len
+    if policy == "full":
+        return 2.0 * matmul_params(cfg)["layers"] + attention_core
+    if policy == "selective":
+        return attention_core
+    if policy == "none":
+        return 0.0
+    raise ValueError(f"recompute policy must be none, selective or full, not {policy!r}.")

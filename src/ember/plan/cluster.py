@@ -1,0 +1,166 @@
+"""The machine a plan is for: a GPU, how many, how they are linked, and what the training
+software does. Built from the GPU table and command-line overrides, or read from a profile
+file.
+
+Profile file (JSON). `ember plan --save-profile FILE` writes the resolved profile; edit it,
+or let a calibration run write measured values, and pass it back with `--profile FILE`:
+
+    {"format": "ember-plan-profile/1",
+     "source": "datasheet",                 # or e.g. "calibrated 2026-11-22 on node17"
+     "gpu":   {"name": "H100 SXM", "peak_bf16_flops": 9.89e14, "memory_gib": 80,
+               "hbm_gbps": 3350, "sms": 132, "matmul_eff": 0.8, "attn_eff": 0.35, "hbm_eff": 0.8},
+     "links": {"gpus_per_node": 8, "intra_gbps": 450, "inter_gbps": 50, "intra_eff": 0.8,
+               "inter_eff": 0.9, "intra_latency_s": 1e-05, "inter_latency_s": 2e-05},
+     "stack": {"attention": "flash", "grad_dtype": "bf16", "overlap_grad_reduce": true,
+               "overlap_param_gather": true}}
+
+Every field but `gpu.name` may be left out: a known GPU starts from its table entry, links
+from the GPU's typical node, the stack from the defaults below. The number of GPUs is not
+part of a profile: one profile describes every size of the same cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.config import ConfigError
+from ember.plan.comm import Links
+from ember.plan.hardware import GPU, GPUS, gpu_by_name
+
+PROFILE_FORMAT = "ember-plan-profile/1"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the training software does, where it changes cost.
+
+    `attention`: "flash" (fused kernel, no s×s matrix in memory; ember uses PyTorch SDPA)
+    or "unfused" (softmax materialised, as Megatron-LM did before FlashAttention).
+    `grad_dtype`: "bf16" gradients (16 bytes/param with Adam), or "fp32" main gradients
+    (Megatron-LM's default with bf16: 18 bytes/param, gradients reduced in fp32).
+    `overlap_grad_reduce`: data-parallel gradient reduction runs during the backward pass of
+    the last micro-batch (DDP/FSDP buckets); `overlap_param_gather`: ZeRO-1/2 parameter
+    gathers after the optimizer step run during the next forward pass."""
+
+    attention: str = "flash"
+    grad_dtype: str = "bf16"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.grad_dtype == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    n_gpus: int
+    links: Links
+    stack: Stack = field(default_factory=Stack)
+    source: str = "datasheet"
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.links.gpus_per_node
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+    def describe(self) -> str:
+        link = f"{self.links.intra_gbps:g} GB/s in a node"
+        if self.n_gpus > self.gpus_per_node:
+            link += f", {self.links.inter_gbps:g} GB/s per GPU between nodes"
+        return f"{self.n_gpus} x {self.gpu.name} ({self.gpus_per_node} per node; {link})"
+
+    def profile(self) -> dict:
+        gpu = dataclasses.asdict(self.gpu)
+        gpu.pop("pattern")
+        return {"format": PROFILE_FORMAT, "source": self.source, "gpu": gpu,
+                "links": dataclasses.asdict(self.links), "stack": dataclasses.asdict(self.stack)}
+
+
+def _known_gpu(name: str) -> GPU:
+    gpu = gpu_by_name(name)
+    if gpu is None:
+        names = "A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, RTX 2080 Ti"
+        raise ConfigError(f"unknown GPU {name!r}; use one of {names} (or any of the {len(GPUS)} table "
+                          "names), or describe it in a --profile file.")
+    return gpu
+
+
+def _fields(cls, values: dict, where: str) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)} - {"pattern"}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(f"{where} has unknown field(s) {', '.join(sorted(unknown))}; "
+                          f"it takes {', '.join(sorted(names))}.")
+    return values
+
+
+def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"profile file {path} does not exist.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"profile file {path} is not valid JSON ({err}).") from None
+    if not isinstance(data, dict) or data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
+        raise ConfigError(f"profile file {path} is not an {PROFILE_FORMAT} file.")
+    gpu_values = dict(data.get("gpu") or {})
+    if "name" not in gpu_values:
+        raise ConfigError(f"profile file {path} must name its GPU (gpu.name).")
+    base = gpu_by_name(gpu_values["name"])
+    if base is None:
+        missing = {"peak_bf16_flops", "memory_gib"} - set(gpu_values)
+        if missing:
+            raise ConfigError(f"profile file {path}: GPU {gpu_values['name']!r} is not in the table, "
+                              f"so gpu.{' and gpu.'.join(sorted(missing))} must be given.")
+        base = GPU(gpu_values["name"], gpu_values["peak_bf16_flops"], gpu_values["memory_gib"], "$^")
+    try:
+        gpu = dataclasses.replace(base, **_fields(GPU, gpu_values, f"{path} gpu"))
+        links_values = {"gpus_per_node": 8, "intra_gbps": gpu.intra_gbps, "inter_gbps": gpu.inter_gbps,
+                        **_fields(Links, data.get("links") or {}, f"{path} links")}
+        links = Links(**links_values)
+        stack = Stack(**_fields(Stack, data.get("stack") or {}, f"{path} stack"))
+    except TypeError as err:
+        raise ConfigError(f"profile file {path} has a malformed value ({err}).") from None
+    return gpu, links, stack, str(data.get("source", f"profile {path.name}"))
+
+
+def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
+                 intra_gbps: float | None = None, inter_gbps: float | None = None,
+                 profile: str | Path | None = None, stack: Stack | None = None) -> Cluster:
+    """A cluster from a GPU name (or a profile file) and the overrides a user gave."""
+    if profile is not None:
+        base_gpu, links, base_stack, source = read_profile(profile)
+        if gpu is not None and _known_gpu(gpu).name != base_gpu.name:
+            raise ConfigError(f"--gpu {gpu} disagrees with the profile's GPU {base_gpu.name}; give one of them.")
+    elif gpu is None:
+        raise ConfigError("say which GPU the plan is for with --gpu (or --profile FILE).")
+    else:
+        base_gpu, source = _known_gpu(gpu), "datasheet"
+        links = Links(8, base_gpu.intra_gbps, base_gpu.inter_gbps)
+        base_stack = Stack()
+    changes = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("intra_gbps", intra_gbps),
+                                 ("inter_gbps", inter_gbps)) if v is not None}
+    links = dataclasses.replace(links, **changes)
+    if n_gpus < 1 or links.gpus_per_node < 1:
+        raise ConfigError("--gpus and --gpus-per-node must be at least 1.")
+    if min(links.intra_gbps, links.inter_gbps) <= 0:
+        raise ConfigError("link bandwidths (--intra-bw, --inter-bw) must be positive GB/s.")
+    if n_gpus > links.gpus_per_node and n_gpus % links.gpus_per_node:
+        raise ConfigError(f"--gpus {n_gpus} does not fill whole nodes of {links.gpus_per_node}; "
+                          "use a multiple of --gpus-per-node.")
+    if n_gpus < links.gpus_per_node:
+        links = dataclasses.replace(links, gpus_per_node=n_gpus)
+    return Cluster(base_gpu, n_gpus, links, stack or base_stack, source)
+
+
+def write_profile(cluster: Cluster, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cluster.profile(), indent=2) + "\n")

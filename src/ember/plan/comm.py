@@ -1,0 +1,111 @@
+"""Collective and point-to-point communication: how long each takes on the link it crosses.
+
+Rank mapping. Global ranks are laid out with the tensor-parallel index varying fastest,
+then the ZeRO shard index, then the replica index, then the pipeline stage:
+    rank = tp_i + tp·(shard_i + dp_shard·(replica_i + dp_replicate·stage_i)),
+and node = rank // gpus_per_node. This is Megatron-LM's and DeepSpeed's order (tensor
+innermost, pipeline outermost) with the data-parallel axis split the way hybrid sharding
+does it (shard inside, replicate outside). So the chattiest group (tensor parallel, every
+layer) stays on NVLink, ZeRO-3's per-micro-batch gathers come next, and pipeline stages,
+which exchange only one activation tensor per micro-batch, span nodes first.
+
+Bandwidth. A ring collective over a group that stays in one node runs at the NVLink (or
+PCIe) bandwidth. A group spanning nodes with g members per node drives g NICs at once (a
+rail-optimised cluster gives every GPU its own NIC), so its ring runs at
+min(intra, g·inter) per GPU. The "bus" efficiencies are those nccl-tests report against
+the link rate: ~0.8 on NVLink (230-240 GB/s all-reduce bus bandwidth on DGX A100's
+300 GB/s, ~360 on DGX H100's 450) and ~0.9 on InfiniBand.
+
+Volumes per GPU (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention): a ring
+all-reduce moves 2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True)
+class Links:
+    """The node size and per-GPU, one-direction link rates in GB/s, with the share of the
+    rate collectives reach and a fixed cost per collective. A calibration run can replace
+    the efficiencies and latencies with measured ones (they are part of a profile file)."""
+
+    gpus_per_node: int
+    intra_gbps: float
+    inter_gbps: float
+    intra_eff: float = 0.8
+    inter_eff: float = 0.9
+    intra_latency_s: float = 10e-6  # launch plus a few NVLink hops
+    inter_latency_s: float = 20e-6  # InfiniBand adds microseconds per hop
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group: `size` ranks, `per_node` of them on each node it spans."""
+
+    size: int
+    per_node: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.size > self.per_node
+
+
+def place(size: int, stride: int, gpus_per_node: int) -> Group:
+    """Where a group of `size` ranks `stride` apart lands on nodes of `gpus_per_node`."""
+    if size <= 1:
+        return Group(1, 1)
+    if stride * size <= gpus_per_node:
+        return Group(size, size)
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return Group(size, per_node)
+
+
+def groups(tp: int, dp_shard: int, dp_replicate: int, pp: int, gpus_per_node: int) -> dict[str, Group]:
+    """The four groups of a layout under the rank mapping above."""
+    g = gpus_per_node
+    return {"tp": place(tp, 1, g), "dp_shard": place(dp_shard, tp, g),
+            "dp_replicate": place(dp_replicate, tp * dp_shard, g),
+            "pp": place(pp, tp * dp_shard * dp_replicate, g)}
+
+
+def bus_bandwidth(group: Group, links: Links) -> float:
+    """Bytes/s a ring collective over `group` sustains per GPU."""
+    intra = links.intra_gbps * 1e9 * links.intra_eff
+    if not group.crosses_nodes:
+        return intra
+    return min(intra, group.per_node * links.inter_gbps * 1e9 * links.inter_eff)
+
+
+def _latency(group: Group, links: Links) -> float:
+    return links.inter_latency_s if group.crosses_nodes else links.intra_latency_s
+
+
+def all_reduce_s(nbytes: float, group: Group, links: Links) -> float:
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return _latency(group, links) + 2 * (n - 1) / n * nbytes / bus_bandwidth(group, links)
+
+
+def reduce_scatter_s(nbytes: float, group: Group, links: Links) -> float:
+    """Also the time of an all-gather of the same (full, unsharded) buffer size."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return _latency(group, links) + (n - 1) / n * nbytes / bus_bandwidth(group, links)
+
+
+all_gather_s = reduce_scatter_s
+
+
+def p2p_s(nbytes: float, pp: Group, links: Links) -> float:
+    """One send between neighbouring pipeline stages; the slowest boundary sets the pace,
+    so if any boundary crosses nodes, all are charged the network (one NIC per GPU)."""
+    if pp.size <= 1 or nbytes <= 0:
+        return 0.0
+    if pp.crosses_nodes:
+        return links.inter_latency_s + nbytes / (links.inter_gbps * 1e9 * links.inter_eff)
+    return links.intra_latency_s + nbytes / (links.intra_gbps * 1e9 * links.intra_eff)

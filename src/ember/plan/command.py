@@ -1,0 +1,146 @@
+"""`ember plan`: predict memory and step time for every parallel layout and rank them, or
+for one layout (`--layout`, with `--json` the form other tools read)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from rich.console import Console
+
+from ember.config import ConfigError
+
+EPILOG = """examples:
+  ember plan --model gpt3-175b --gpu A100-80GB --gpus 1024 --seq-len 2048 --global-batch 1536 --explain
+  ember plan --model configs/gpt2-small.toml --gpu RTX 4090 --gpus 8 --global-batch 512
+  ember plan --model llama3-8b --gpu A800 --gpus 8 --seq-len 8192 --global-batch 512 \\
+      --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json"""
+
+
+def register_plan(verbs) -> None:
+    plan = verbs.add_parser("plan", help="predict memory and step time of parallel layouts and rank them",
+                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--model", help="a recipe .toml or a preset (gpt3-175b, llama3-8b, ...)")
+    plan.add_argument("--gpu", nargs="+",
+                      help="GPU type: A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, RTX 2080 Ti, ...")
+    plan.add_argument("--gpus", type=int, help="number of GPUs")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or the profile's)")
+    plan.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-GPU link inside a node, one direction")
+    plan.add_argument("--inter-bw", type=float, metavar="GB/s", help="per-GPU network between nodes, one direction")
+    plan.add_argument("--profile", help="cluster profile JSON (see docs/planner.md)")
+    plan.add_argument("--save-profile", metavar="FILE", help="write the resolved cluster profile as JSON")
+    plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
+    plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    plan.add_argument("--precision", default="bf16", help="bf16 or fp16")
+    plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style)")
+    plan.add_argument("--attention", help="flash (default) or unfused")
+    plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.set_defaults(func=run_plan)
+
+
+def _stack(args, base):
+    changes = {}
+    for key, value, choices in (("grad_dtype", args.grad_dtype, ("bf16", "fp32")),
+                                ("attention", args.attention, ("flash", "unfused"))):
+        if value is not None:
+            if value.lower() not in choices:
+                raise ConfigError(f"--{key.replace('_', '-')} must be one of {', '.join(choices)}, not {value!r}.")
+            changes[key] = value.lower()
+    return replace(base, **changes)
+
+
+def _setup(args):
+    from ember.plan.cluster import make_cluster, write_profile
+    from ember.plan.layout import PRECISIONS, TrainShape
+    from ember.plan.models import resolve_model
+
+    if args.gpus is None:
+        if args.save_profile and args.model is None:
+            args.gpus = 8
+        else:
+            raise ConfigError("say how many GPUs to plan for with --gpus.")
+    gpu = " ".join(args.gpu) if args.gpu else None
+    cluster = make_cluster(gpu, args.gpus, args.gpus_per_node, args.intra_bw, args.inter_bw, args.profile)
+    cluster = replace(cluster, stack=_stack(args, cluster.stack))
+    if args.save_profile:
+        write_profile(cluster, args.save_profile)
+    if args.model is None:
+        if args.save_profile:
+            return None
+        raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
+    model, recipe = resolve_model(args.model)
+    if args.precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
+    seq = args.seq_len or model.max_seq_len
+    if args.global_batch is None:
+        raise ConfigError("give the global batch in sequences with --global-batch.")
+    if seq < 1 or args.global_batch < 1:
+        raise ConfigError("--seq-len and --global-batch must be at least 1.")
+    return model, recipe, cluster, TrainShape(seq, args.global_batch, args.precision)
+
+
+def run_plan(args) -> int:
+    from ember.plan import report
+    from ember.plan.layout import parse_layout, require
+    from ember.plan.search import rank, runners_up, search
+
+    setup = _setup(args)
+    if setup is None:
+        print(f"wrote {args.save_profile}")
+        return 0
+    model, recipe, cluster, shape = setup
+    console = Console()
+    if not console.is_terminal:  # piped into a file or a pager: do not squeeze the table to 80 columns
+        console = Console(width=160)
+    if args.layout is not None:
+        layout = parse_layout(args.layout, cluster.n_gpus)
+        require(layout, model, cluster.n_gpus, shape)
+        p = rank(model, cluster, shape, [layout])[0]
+        command = report.train_command(p, model, recipe, cluster, shape)
+        if args.json:
+            print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
+                              "command": command, "notes": report.command_notes(model, recipe)}, indent=2))
+            return 0
+        report.print_text(console, report.header(model, cluster, shape))
+        console.print(report.table([p]))
+        report.print_text(console, report.memory_line(p) + "\n" + command)
+        for note in report.command_notes(model, recipe):
+            report.print_text(console, "note: " + note)
+        return 0
+
+    result = search(model, cluster, shape)
+    if not result.ranked:
+        smallest = min(result.too_big, key=lambda p: p.memory.total)
+        raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per GPU on "
+                          f"{cluster.n_gpus} GPUs; the leanest ({smallest.layout.text()}) needs "
+                          f"{smallest.memory.total / 2**30:.0f} GiB, so add GPUs or shorten the batch or sequence.")
+    best, others = result.best, runners_up(result)
+    command = report.train_command(best, model, recipe, cluster, shape)
+    fastest_too_big = result.too_big[0] if result.too_big else None
+    if args.json:
+        out = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
+               "shape": {"seq_len": shape.seq_len, "global_batch": shape.global_batch, "precision": shape.precision},
+               "search_seconds": result.seconds, "layouts_considered": result.considered,
+               "layouts_fitting": len(result.ranked), "best": best.to_dict() | {"command": command},
+               "ranked": [p.to_dict() for p in result.ranked[: args.top]],
+               "notes": report.command_notes(model, recipe)}
+        if args.explain:
+            out["explain"] = report.explain(best, others, fastest_too_big)
+        print(json.dumps(out, indent=2))
+        return 0
+    report.print_text(console, report.header(model, cluster, shape))
+    title = (f"{len(result.ranked):,} of {result.considered:,} layouts fit; searched in {result.seconds:.2f} s; "
+             f"fastest first")
+    report.print_text(console, title)
+    console.print(report.table(result.ranked[: args.top]))
+    report.print_text(console, report.memory_line(best))
+    if args.explain:
+        report.print_text(console, "\n" + report.explain(best, others, fastest_too_big))
+    report.print_text(console, "\ntrain with the best layout:\n" + command)
+    for note in report.command_notes(model, recipe):
+        report.print_text(console, "note: " + note)
+    return 0

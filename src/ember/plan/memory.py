@@ -1,0 +1,172 @@
+"""Memory per GPU: model states by ZeRO stage, activations by checkpointing policy, buffers.
+
+Model states (mixed-precision Adam, Rajbhandari et al. 2020): 2 bytes of bf16 weight,
+2 of gradient (4 where the stack keeps fp32 main gradients) and 12 of fp32 master weight
+and two moments per parameter. ZeRO-1 shards the 12 over the dp_shard ranks, ZeRO-2 also
+the gradients, ZeRO-3 also the weights.
+
+Activations per layer and micro-batch (Korthikanti et al. 2022, arXiv 2205.05198), in
+bytes, s = sequence, b = micro-batch, h = hidden, a = heads, t = tensor parallel:
+no recomputation sbh(34 + 5as/h), with tensor + sequence parallelism (sbh/t)(34 + 5as/h),
+selective recomputation drops the 5as/h softmax terms, full recomputation keeps only the
+layer input, 2sbh (/t with sequence parallelism). Their 34 counts, per token: the two norm
+inputs 4h, QKV input 2h, Q and K 4h, V 2h, projection input 2h, MLP input 2h, GELU input
+8h, down-projection input 8h, and three 1-byte dropout masks of h. Generalised here to
+grouped-query attention (K and V are 2·h_kv each), gated MLPs (gate and up outputs, 4f,
+plus the 2f down-projection input) and models without dropout (no masks). Without sequence
+parallelism the norm inputs, the QKV and MLP inputs and the residual dropout masks (10h)
+are replicated on every tensor-parallel rank. FlashAttention never stores the s×s
+softmax, only a 4-byte log-sum-exp per head and token.
+
+The first pipeline stage holds the most micro-batches in flight: p under 1F1B (stage i
+holds p - i), all m under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule
+(Narayanan et al. 2021). The embedding sits on the first stage, the output layer and the
+logits on the last (with pp > 1 a tied output layer is a second copy there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ember.plan.cost import gated, kv_hidden, matmul_params
+from ember.plan.layout import Layout, TrainShape
+
+GIB = 2**30
+WEIGHT_BYTES = 2
+OPTIMIZER_BYTES = 12  # fp32 master weight, Adam's first and second moment
+RUNTIME_BYTES = 1.0 * GIB  # CUDA context, cuBLAS and NCCL workspaces, outside the allocator
+FRAGMENTATION = 0.05  # of what the caching allocator holds: cached but unusable blocks
+DRIVER_RESERVE = 0.01  # of the nominal capacity, never handed to the program
+BUCKET_BYTES = 2 * 25e6  # two gradient buckets of 25 MB in flight (DDP's default size)
+
+
+def layer_params(model) -> int:
+    """Parameters of one block: matmul weights, their biases, and the norms."""
+    h, f = model.hidden, model.mlp_hidden
+    biases = (h + 2 * kv_hidden(model) + h + (2 if gated(model) else 1) * f + h) if model.bias else 0
+    norms = 2 * (2 * h if model.norm == "layernorm" else h)
+    return matmul_params(model)["layer"] + biases + norms
+
+
+def total_params(model) -> int:
+    positions = model.max_seq_len * model.hidden if model.positions == "learned" else 0
+    embed = model.padded_vocab * model.hidden + positions
+    output = 0 if model.tie_embeddings else model.padded_vocab * model.hidden
+    return model.layers * layer_params(model) + embed + output + 2 * model.hidden
+
+
+def stage_params(model, layout: Layout, stage: int) -> float:
+    """Parameters one GPU of pipeline stage `stage` holds (before ZeRO sharding)."""
+    t, p = layout.tp, layout.pp
+    vocab = model.padded_vocab * model.hidden / t  # vocabulary-parallel embedding and output
+    params = model.layers / p * layer_params(model) / t
+    if stage == 0:
+        params += vocab + (model.max_seq_len * model.hidden if model.positions == "learned" else 0)
+    if stage == p - 1:
+        params += 2 * model.hidden + (vocab if (not model.tie_embeddings or p > 1) else 0)
+    return params
+
+
+def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: str) -> float:
+    """Bytes one layer keeps per token of a micro-batch until its backward pass."""
+    h, kv, f, t = model.hidden, kv_hidden(model), model.mlp_hidden, layout.tp
+    mask = 1 if model.dropout else 0
+    split_norms = t if layout.sp else 1
+    if layout.recompute == "full":
+        return 2 * h / split_norms
+    replicated = 4 * h + 2 * h + 2 * h + 2 * mask * h
+    attention_part = 2 * h + 4 * kv + 2 * h
+    mlp_part = (6 * f) if gated(model) else (4 * f)
+    per_token = replicated / split_norms + (attention_part + mlp_part) / t
+    if attention == "flash":
+        per_token += 4 * model.heads / t
+    elif layout.recompute == "none":
+        per_token += model.heads * seq_len * (2 + 3 * mask) / t
+    return per_token
+
+
+def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
+    """Micro-batches' worth of the stage's layers holding activations at the peak."""
+    p, v, m = layout.pp, layout.vpp, micro_batches
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "interleaved":
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return chunks / v
+    return min(m, p - stage)
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU on the fullest pipeline stage, by part."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    runtime: float
+    fragmentation: float
+    stage: int
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.buffers + self.runtime + self.fragmentation)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def parts_gib(self) -> dict[str, float]:
+        names = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "runtime", "fragmentation")
+        return {name: round(getattr(self, name) / GIB, 2) for name in names}
+
+
+def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
+                 attention: str, capacity: float) -> Memory:
+    s, b, t = shape.seq_len, layout.mbs, layout.tp
+    m = layout.micro_batches(shape)
+    shard = layout.dp_shard
+    params = stage_params(model, layout, stage)
+    weights = params * WEIGHT_BYTES / (shard if layout.zero >= 3 else 1)
+    grads = params * grad_bytes / (shard if layout.zero >= 2 else 1)
+    optimizer = params * OPTIMIZER_BYTES / (shard if layout.zero >= 1 else 1)
+    layers = model.layers / layout.pp
+    tokens = s * b
+    acts = in_flight(layout, m, stage) * layers * tokens * activation_bytes_per_token(model, s, layout, attention)
+    if stage == 0:  # embedding output (and its dropout mask) feeds the first block
+        acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
+    logits = 0.0
+    vocab_t = model.padded_vocab / t
+    if stage == layout.pp - 1:  # fp32 softmax kept for the loss's backward, final norm input
+        predicted = tokens * model.predicted_fraction
+        logits = predicted * vocab_t * 4 + tokens * 2 * model.hidden
+    # Transients, the largest one at a time: recomputing one layer's activations (full
+    # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
+    # intermediate; plus communication buffers.
+    full_layer = tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
+    loss = tokens * model.predicted_fraction * vocab_t * 6 if stage == layout.pp - 1 else 0.0
+    widest = tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
+    transient = max(full_layer if layout.recompute == "full" else 0.0, loss, widest)
+    comm = BUCKET_BYTES if layout.dp > 1 else 0.0
+    if layout.zero >= 3:  # the gathered weights and gradients of the current and next layer
+        comm += 2 * layer_params(model) / t * (WEIGHT_BYTES + grad_bytes)
+    buffers = transient + comm
+    held = weights + grads + optimizer + acts + logits + buffers
+    return Memory(weights, grads, optimizer, acts, logits, buffers, RUNTIME_BYTES, FRAGMENTATION * held,
+                  stage, capacity)
+
+
+def _no_recompute(layout: Layout) -> Layout:
+    return replace(layout, recompute="none")
+
+
+def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash") -> Memory:
+    """Memory of the fullest GPU: every pipeline stage is sized and the largest returned."""
+    capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
+    stages = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set())
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity) for i in stages),
+               key=lambda mem: mem.total)

@@ -1,0 +1,158 @@
+"""One layout's prediction: step time from stage times, the pipeline, data-parallel
+communication and the optimizer; memory; and the figures a user compares layouts by.
+
+Pipeline. Stage i spends t_i per micro-batch (forward, backward, recomputation, its
+tensor-parallel communication, activation sends to its neighbours, ZeRO-3 gathers that
+could not hide behind compute). With m micro-batches and v virtual stages per GPU, the
+slowest stage paces the steady state and every stage's work passes once through fill and
+drain:
+    pipeline = m·max(t) + (Σ t_i − max(t)) / v.
+Balanced stages give m·t·(1 + (p−1)/(v·m)): the bubble fraction (p−1)/m of GPipe and
+1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021). The first stage carries the
+embedding, the last the output layer and the loss, so unequal stages are priced too.
+
+Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-1:
+reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
+gradients appear; ZeRO-3 also all-gathers weights before each forward and backward).
+Hybrid sharding adds an all-reduce of each shard over the replicas. Reductions overlap the
+backward pass they follow in buckets: only what exceeds that backward (and at least the last
+bucket) is exposed; ZeRO-1/2 weight gathers overlap the next forward pass likewise. Stacks
+without overlap pay all of it.
+
+Optimizer. Adam streams every local parameter's master weight, moments and gradient
+through HBM once (reads and writes: 26 bytes + 3 gradient reads/writes for clipping,
+stepping and zeroing); memory-bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.plan import comm
+from ember.plan.cluster import Cluster
+from ember.plan.cost import model_flops_per_token, recompute_flops_per_token
+from ember.plan.layout import Layout, TrainShape
+from ember.plan.memory import BUCKET_BYTES, GIB, Memory, memory, stage_params
+from ember.plan.timing import Work, head_times, layer_times, memory_s
+
+ADAM_BYTES = 26
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float  # model FLOPs (the MFU convention, no recomputation)
+    hw_tflops_per_gpu: float  # hardware FLOPs (recomputation included)
+    mfu: float
+    memory: Memory
+    shares: dict[str, float]  # of the step time: compute, tp_comm, pp_comm, dp_comm, bubble, optimizer
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.text(), "step_time_s": self.step_time_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
+                "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
+                "memory_gib_per_gpu": self.memory.total / GIB, "memory_capacity_gib": self.memory.capacity / GIB,
+                "memory_gib": self.memory.parts_gib(), "memory_stage": self.memory.stage, "fits": self.fits,
+                "time_shares": self.shares, "detail": self.detail}
+
+
+def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tuple[float, float]:
+    """(time through the pipeline, of which fill and drain) for per-micro-batch stage times."""
+    slowest = max(stage_times)
+    bubble = (sum(stage_times) - slowest) / vpp
+    return micro_batches * slowest + bubble, bubble
+
+
+def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
+    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and the
+    seconds its compute could hide communication behind."""
+    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
+                         lo.recompute, cluster.stack.attention)
+    n = model.layers / lo.pp
+    fwd, bwd = layers.forward * n, (layers.backward + layers.recompute) * n
+    if stage == lo.pp - 1:
+        head_fwd, head_bwd = head_times(model, cluster.gpu, shape.seq_len, lo.mbs, lo.tp, lo.sp)
+        fwd, bwd = fwd + head_fwd, bwd + head_bwd
+    # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
+    accumulate = memory_s(stage_params(model, lo, stage) * 2 * cluster.stack.grad_bytes
+                          / (lo.dp_shard if lo.zero >= 2 else 1), cluster.gpu)
+    return fwd, bwd + Work(elementwise=accumulate), fwd.compute + bwd.compute
+
+
+def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
+    links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
+    groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
+    m = lo.micro_batches(shape)
+    grad_bytes = stack.grad_bytes
+    activation = lo.mbs * shape.seq_len * model.hidden * 2 / lo.tp  # sent scattered over tp ranks
+    p2p = 2 * lo.vpp * comm.p2p_s(activation, groups["pp"], links) if lo.pp > 1 else 0.0
+
+    shard, rep = groups["dp_shard"], groups["dp_replicate"]
+    stages = sorted({0, lo.pp - 1} | ({1} if lo.pp > 2 else set()))
+    times, parts, dp_exposed, optimizer = {}, {}, 0.0, 0.0
+    for i in stages:
+        fwd, bwd, hideable = _stage_work(model, cluster, shape, lo, i)
+        params = stage_params(model, lo, i)
+        per_mb = 0.0
+        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients
+            gathers = (2 * comm.all_gather_s(params * 2, shard, links)
+                       + comm.reduce_scatter_s(params * grad_bytes, shard, links))
+            first_layer = comm.all_gather_s(params * 2 / max(model.layers / lo.pp, 1), shard, links)
+            per_mb = max(0.0, gathers - hideable) + first_layer
+        elif lo.zero == 2:
+            per_mb = max(0.0, comm.reduce_scatter_s(params * grad_bytes, shard, links) - bwd.compute)
+        times[i] = fwd.total + bwd.total + p2p + per_mb
+        parts[i] = (fwd + bwd, per_mb)
+
+        grads = params * grad_bytes
+        if lo.zero == 0:
+            reduce = comm.all_reduce_s(grads, rep, links)
+        elif lo.zero == 1:
+            reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.dp_shard, rep, links)
+        else:
+            reduce = comm.all_reduce_s(grads / lo.dp_shard, rep, links)
+        if stack.overlap_grad_reduce:
+            bucket = reduce * min(1.0, BUCKET_BYTES / 2 / max(grads, 1.0))
+            reduce = max(bucket, reduce - bwd.compute)
+        gather = comm.all_gather_s(params * 2, shard, links) if lo.zero in (1, 2) else 0.0
+        if stack.overlap_param_gather:
+            gather = max(0.0, gather - fwd.compute)
+        dp_exposed = max(dp_exposed, reduce + gather)
+        local = params / (lo.dp_shard if lo.zero >= 1 else 1)
+        optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
+
+    # The middle stages are all like stage 1.
+    every_stage = [times[min(i, 1) if i < lo.pp - 1 else lo.pp - 1] for i in range(lo.pp)]
+    pipeline, bubble = pipeline_s(every_stage, m, lo.vpp)
+    slowest = max(times, key=times.get)
+    t_max, mean = times[slowest], sum(every_stage) / lo.pp
+    step = pipeline + dp_exposed + optimizer
+
+    work, zero3 = parts[slowest]
+    tokens = shape.tokens
+    per_gpu = tokens / step / cluster.n_gpus
+    model_flops = model_flops_per_token(model, shape.seq_len, model.predicted_fraction)
+    hw_flops = model_flops + recompute_flops_per_token(model, shape.seq_len, lo.recompute)
+    shares = {"compute": m * work.compute / step, "tp_comm": m * work.tp_comm / step,
+              "pp_comm": m * p2p / step, "dp_comm": (dp_exposed + m * zero3) / step,
+              "bubble": bubble / step, "optimizer": optimizer / step}
+    detail = {"micro_batches": m, "slowest_stage": slowest, "stage_imbalance": m * (t_max - mean) / step,
+              "matmul_s": m * work.matmul, "attention_s": m * work.attention,
+              "elementwise_s": m * work.elementwise, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
+              "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
+    mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention)
+    return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12,
+                      per_gpu * model_flops / gpu.peak_bf16_flops, mem, shares, detail)
+
+
+def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
+    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
+                         lo.recompute, cluster.stack.attention)
+    return layers.recompute.compute * model.layers / lo.pp

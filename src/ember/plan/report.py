@@ -1,0 +1,133 @@
+"""What `ember plan` shows: a ranked table, the reasons the best layout wins, JSON, and the
+command that trains with it."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+from ember.plan.cluster import Cluster
+from ember.plan.layout import TrainShape
+from ember.plan.memory import GIB, total_params
+from ember.plan.predict import Prediction
+
+# ModelConfig fields a preset sets when there is no recipe to point the trainer at.
+_MODEL_KEYS = ("objective", "hidden", "layers", "heads", "mlp_hidden", "activation", "norm", "bias",
+               "positions", "tie_embeddings", "vocab_size", "max_seq_len")
+
+
+def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cluster, shape: TrainShape) -> str:
+    """The torchrun line that trains `model` with the predicted layout (the trainer's
+    [parallel] section is still to come; until then it rejects the parallel.* keys)."""
+    per_node = min(cluster.gpus_per_node, cluster.n_gpus)
+    parts = ["torchrun", f"--nnodes={cluster.nodes}", f"--nproc-per-node={per_node}"]
+    if cluster.nodes > 1:
+        parts += ["--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR", "--master-port=29500"]
+    parts += ["-m", "ember", "train", recipe or "RECIPE.toml", "--data", "DATA_DIR", "--out", "RUN_DIR"]
+    settings = dict(prediction.layout.settings(shape))
+    settings["train.precision"] = shape.precision
+    if recipe is None:
+        for key in _MODEL_KEYS:
+            value = getattr(model, key)
+            settings[f"model.{key}"] = str(value).lower() if isinstance(value, bool) else value
+        settings["model.max_seq_len"] = max(model.max_seq_len, shape.seq_len)
+    elif shape.seq_len > model.max_seq_len:
+        settings["model.max_seq_len"] = shape.seq_len
+    for key, value in settings.items():
+        parts += ["--set", f"{key}={value}"]
+    return " ".join(p if p.startswith("$") or "=$" in p else shlex.quote(p) for p in parts)
+
+
+def command_notes(model, recipe: str | None) -> list[str]:
+    notes = []
+    if model.kv_heads != model.heads:
+        notes.append(f"{model.name} groups its {model.heads} query heads over {model.kv_heads} key/value heads, "
+                     "which ember's model does not implement yet; the command trains full multi-head attention.")
+    if model.positions == "alibi":
+        notes.append(f"{model.name} uses ALiBi positions, which ember's model does not implement yet.")
+    if recipe is None:
+        notes.append("RECIPE.toml stands for any recipe: the --set model.* overrides give the preset's shape.")
+    return notes
+
+
+def header(model, cluster: Cluster, shape: TrainShape) -> str:
+    return (f"{model.name}: {total_params(model) / 1e9:.2f} B parameters, {model.layers} layers x {model.hidden} "
+            f"hidden, {model.heads} heads" + (f" ({model.kv_heads} kv)" if model.kv_heads != model.heads else "")
+            + f"\n{cluster.describe()}\nsequence {shape.seq_len}, global batch {shape.global_batch} sequences "
+            f"({shape.tokens:,} tokens), {shape.precision}; {cluster.stack.attention} attention, "
+            f"{cluster.stack.grad_dtype} gradients; profile: {cluster.source}")
+
+
+def table(predictions: list[Prediction]) -> Table:
+    out = Table(header_style="bold")
+    for name in ("#", "tp", "sp", "pp", "vpp", "dp", "zero", "mbs", "recompute", "step s", "tok/s/GPU",
+                 "TFLOP/s", "MFU", "GiB", "states+act+other", "comm", "bubble"):
+        out.add_column(name, justify="left" if name in ("recompute",) else "right", no_wrap=True)
+    for i, p in enumerate(predictions, 1):
+        lo, mem = p.layout, p.memory
+        states = (mem.weights + mem.grads + mem.optimizer) / GIB
+        acts = (mem.activations + mem.logits) / GIB
+        other = (mem.buffers + mem.runtime + mem.fragmentation) / GIB
+        comm = p.shares["tp_comm"] + p.shares["pp_comm"] + p.shares["dp_comm"]
+        size = f"{mem.total / GIB:.1f}" if p.fits else f"[red]{mem.total / GIB:.1f}[/red]"
+        dp = str(lo.dp) if lo.dp_replicate == 1 or lo.zero == 0 else f"{lo.dp_replicate}x{lo.dp_shard}"
+        pp = str(lo.pp) + ("" if lo.pp == 1 or lo.schedule == "1f1b" else f" {lo.schedule}")
+        out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", pp, str(lo.vpp) if lo.vpp > 1 else "", dp,
+                    str(lo.zero), str(lo.mbs), lo.recompute, f"{p.step_time_s:.3g}",
+                    f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", size,
+                    f"{states:.1f}+{acts:.1f}+{other:.1f}", f"{100 * comm:.1f}%", f"{100 * p.shares['bubble']:.1f}%")
+    return out
+
+
+def _seconds(p: Prediction) -> dict[str, float]:
+    parts = {k: v * p.step_time_s for k, v in p.shares.items()}
+    parts["recompute"] = p.detail["recompute_s"]
+    parts["compute"] -= parts["recompute"]
+    parts["imbalance"] = p.detail["stage_imbalance"] * p.step_time_s
+    parts["compute"] -= parts["imbalance"] if p.layout.pp > 1 else 0.0
+    return parts
+
+
+_WHAT = {"compute": "compute (matmul shapes, attention, elementwise)", "recompute": "recomputation",
+         "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline sends",
+         "dp_comm": "data-parallel/ZeRO communication", "bubble": "pipeline fill and drain",
+         "imbalance": "waiting on the slowest stage (embedding/output layer)", "optimizer": "optimizer step"}
+
+
+def explain(best: Prediction, others: list[Prediction], too_big: Prediction | None = None) -> str:
+    """Why `best` beats each of `others`: the per-step seconds that differ most, largest first."""
+    lines = [f"Best: {best.layout.text()}: {best.step_time_s:.3g} s/step, {100 * best.mfu:.1f}% MFU, "
+             f"{best.memory.total / GIB:.1f} of {best.memory.capacity / GIB:.0f} GiB."]
+    mine = _seconds(best)
+    for other in others:
+        theirs = _seconds(other)
+        gap = other.step_time_s / best.step_time_s - 1
+        lines.append(f"vs {other.layout.text()} ({100 * gap:+.1f}% slower, {other.memory.total / GIB:.1f} GiB):")
+        deltas = sorted(((theirs[k] - mine[k], k) for k in mine), key=lambda d: -abs(d[0]))
+        if abs(deltas[0][0]) < 0.002 * best.step_time_s:
+            saved = (other.memory.total - best.memory.total) / GIB
+            lines.append(f"  every part of the step is within 0.2% of the best's: a near tie "
+                         f"({abs(saved):.1f} GiB {'more' if saved > 0 else 'less'} memory).")
+        for delta, key in deltas[:3]:
+            if abs(delta) < 0.002 * best.step_time_s:
+                break
+            sign = "more" if delta > 0 else "less"
+            lines.append(f"  {abs(delta):.3g} s {sign} {_WHAT[key]} "
+                         f"({100 * theirs[key] / other.step_time_s:.1f}% of its step "
+                         f"vs {100 * mine[key] / best.step_time_s:.1f}%)")
+    if too_big is not None and too_big.step_time_s < best.step_time_s:
+        lines.append(f"Faster but too big: {too_big.layout.text()} would take {too_big.step_time_s:.3g} s/step but "
+                     f"needs {too_big.memory.total / GIB:.1f} GiB of {too_big.memory.capacity / GIB:.0f}.")
+    return "\n".join(lines)
+
+
+def memory_line(p: Prediction) -> str:
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in p.memory.parts_gib().items() if v >= 0.05)
+    return (f"memory on pipeline stage {p.memory.stage}: {p.memory.total / GIB:.1f} GiB of "
+            f"{p.memory.capacity / GIB:.1f} ({parts})" + ("" if p.fits else "  DOES NOT FIT"))
+
+
+def print_text(console: Console, text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

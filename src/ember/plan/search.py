@@ -1,0 +1,77 @@
+"""The search: predict every legal layout, keep those that fit, rank them by step time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ember.config import ConfigError
+from ember.plan.cluster import Cluster
+from ember.plan.layout import Layout, TrainShape, candidates
+from ember.plan.predict import Prediction, predict
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction]  # layouts that fit, fastest first
+    too_big: list[Prediction]  # layouts that do not fit, fastest first
+    considered: int
+    seconds: float
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+
+def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None,
+           max_mbs: int = 256) -> SearchResult:
+    """Rank every layout of `model` on `cluster` at `shape`; `fixed` pins layout fields."""
+    start = time.perf_counter()
+    layouts = candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs, fixed=fixed)
+    if not layouts:
+        raise ConfigError(f"no layout of {model.name} divides evenly over {cluster.n_gpus} GPUs at a global "
+                          f"batch of {shape.global_batch}; try a global batch that is a multiple of the GPU count.")
+    fits, too_big = [], []
+    for layout in layouts:
+        prediction = predict(model, cluster, shape, layout)
+        (fits if prediction.fits else too_big).append(prediction)
+    fits.sort(key=_rank_key)
+    too_big.sort(key=_rank_key)
+    return SearchResult(fits, too_big, len(layouts), time.perf_counter() - start)
+
+
+def _rank_key(p: Prediction) -> tuple:
+    # Equal times (e.g. ZeRO stages that cost nothing here) go to the simpler, leaner layout.
+    lo = p.layout
+    return (round(p.step_time_s, 9), p.memory.total, lo.zero, lo.pp * lo.vpp, lo.tp, lo.recompute != "none")
+
+
+def rank(model, cluster: Cluster, shape: TrainShape, layouts: list[Layout]) -> list[Prediction]:
+    """Predictions for given layouts in the planner's order: fitting ones by step time, then
+    the ones that do not fit."""
+    predictions = [predict(model, cluster, shape, layout) for layout in layouts]
+    return sorted(predictions, key=lambda p: (not p.fits, _rank_key(p)))
+
+
+def runners_up(result: SearchResult, count: int = 3) -> list[Prediction]:
+    """Layouts worth comparing with the winner: first the best of each other model-parallel
+    shape (tp, pp, schedule), which differ for reasons worth explaining; then, if those run
+    out, the best of each other data-parallel arrangement (ZeRO stage, sharding)."""
+    out: list[Prediction] = []
+    for key in (_model_parallel, _data_parallel):
+        seen = {key(p.layout) for p in [result.best] + out}
+        for prediction in result.ranked[1:]:
+            if len(out) == count:
+                return out
+            if key(prediction.layout) not in seen and prediction not in out:
+                seen.add(key(prediction.layout))
+                out.append(prediction)
+    return out
+
+
+def _model_parallel(lo: Layout) -> tuple:
+    return (lo.tp, lo.pp, lo.schedule)
+
+
+def _data_parallel(lo: Layout) -> tuple:
+    return (lo.tp, lo.pp, lo.dp_shard, lo.dp_replicate, lo.zero)

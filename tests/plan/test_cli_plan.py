@@ -1,0 +1,102 @@
+"""`ember plan` from the command line: the single-layout JSON that other tools read, the
+search, profiles, and one sentence with exit status 2 for every mistake."""
+
+import json
+
+import pytest
+
+from conftest import REPO
+from ember.cli import main
+
+BASE = ["plan", "--model", "gpt3-175b", "--gpu", "A100-80GB", "--gpus", "1024", "--gpus-per-node", "8",
+        "--seq-len", "2048", "--global-batch", "1536"]
+
+
+def test_single_layout_json(capsys):
+    assert main(BASE + ["--layout", "tp=8,pp=16,dp=8,zero=1,mbs=1,recompute=full", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "memory_gib_per_gpu", "fits"):
+        assert key in out, key
+    assert out["fits"] is True and 0.1 < out["mfu"] < 0.8 and out["memory_gib_per_gpu"] < 80
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(2048 * 1536 / out["step_time_s"] / 1024)
+    assert set(out["memory_gib"]) >= {"weights", "grads", "optimizer", "activations"}
+    assert "--set parallel.tp=8" in out["command"] and "--nnodes=128" in out["command"]
+
+
+def test_single_layout_keys_vpp_sp_schedule(capsys):
+    assert main(BASE + ["--layout", "tp=8,sp=1,pp=8,vpp=2,schedule=interleaved,dp=16,zero=1,mbs=1,recompute=selective",
+                        "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == "tp=8,sp=1,pp=8,schedule=interleaved,vpp=2,dp=16,zero=1,mbs=1,recompute=selective"
+    assert "--set parallel.vpp=2" in out["command"] and "--set parallel.sp=true" in out["command"]
+
+
+def test_a_layout_that_does_not_fit_is_reported_not_refused(capsys):
+    assert main(BASE + ["--layout", "tp=2,pp=1,dp=512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["memory_gib_per_gpu"] > 1000
+
+
+def test_search_text_and_json(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "16", "--seq-len", "8192",
+            "--global-batch", "64"]
+    assert main(args + ["--explain", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Best:" in out and "vs " in out and "torchrun --nnodes=2 --nproc-per-node=8" in out
+    assert main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ranked = result["ranked"]
+    assert result["best"]["layout"] == ranked[0]["layout"] and all(r["fits"] for r in ranked)
+    assert [r["step_time_s"] for r in ranked] == sorted(r["step_time_s"] for r in ranked)
+    assert any("key/value heads" in note for note in result["notes"])
+
+
+def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
+    profile = tmp_path / "l4.json"
+    assert main(["plan", "--gpu", "L4", "--gpus-per-node", "4", "--save-profile", str(profile)]) == 0
+    capsys.readouterr()
+    data = json.loads(profile.read_text())
+    assert data["gpu"]["name"] == "L4" and data["links"]["gpus_per_node"] == 4
+    data["gpu"]["matmul_eff"] = 0.5  # what a calibration run would write
+    profile.write_text(json.dumps(data))
+    recipe = str(REPO / "configs/gpt2-small.toml")
+    args = ["plan", "--model", recipe, "--gpus", "8", "--global-batch", "64", "--layout", "dp=8", "--json"]
+    assert main(args + ["--profile", str(profile)]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert main(args + ["--gpu", "L4", "--gpus-per-node", "4"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert slow["gpu"] == "L4" and slow["step_time_s"] > 1.1 * fast["step_time_s"]
+    assert recipe in fast["command"]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--gpu", "B300"], "unknown GPU 'B300'"),
+    (["--layout", "tp8"], "is not key=value"),
+    (["--layout", "tp=8,pp=two"], "positive whole number"),
+    (["--layout", "tp=8,pp=5,dp=4"], "cannot run"),  # 160 GPUs, not 1024
+    (["--layout", "tp=8,pp=7,dp=16"], "cannot run"),
+    (["--gpus", "1020"], "whole nodes"),
+    (["--precision", "fp64"], "--precision must be one of"),
+    (["--grad-dtype", "fp8"], "--grad-dtype must be one of"),
+    (["--profile", "/nonexistent/profile.json"], "does not exist"),
+])
+def test_mistakes_get_one_sentence_and_status_2(args, words, capsys):
+    argv = list(BASE)
+    for i in range(0, len(args), 2):  # replace or add each option
+        if args[i] in argv:
+            argv[argv.index(args[i]) + 1] = args[i + 1]
+        else:
+            argv += args[i:i + 2]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.startswith("ember: error:") and err.count("\n") == 1
+
+
+def test_missing_inputs_and_bad_profile(tmp_path, capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"gpu": {"name": "H100", "flops": 1}}')
+    assert main(["plan", "--model", "llama3-8b", "--profile", str(bad), "--gpus", "8", "--global-batch", "8"]) == 2
+    assert "unknown field(s) flops" in capsys.readouterr().err

@@ -1,0 +1,37 @@
+"""Communication volumes and the link each group crosses under the rank mapping."""
+
+import pytest
+
+from ember.plan.comm import (Group, Links, all_gather_s, all_reduce_s, bus_bandwidth, groups, p2p_s, place,
+                             reduce_scatter_s)
+
+LINKS = Links(gpus_per_node=8, intra_gbps=100, inter_gbps=10, intra_eff=1.0, inter_eff=1.0,
+              intra_latency_s=0.0, inter_latency_s=0.0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_volumes(n):
+    nbytes = 1e9
+    group = Group(n, n)  # inside one node: 100 GB/s
+    assert all_reduce_s(nbytes, group, LINKS) == pytest.approx(2 * (n - 1) / n * nbytes / 100e9)
+    assert reduce_scatter_s(nbytes, group, LINKS) == pytest.approx((n - 1) / n * nbytes / 100e9)
+    assert all_gather_s(nbytes, group, LINKS) == reduce_scatter_s(nbytes, group, LINKS)
+    assert all_reduce_s(nbytes, Group(1, 1), LINKS) == 0.0
+
+
+def test_rank_mapping_places_tp_innermost_and_pp_outermost():
+    g = groups(tp=8, dp_shard=4, dp_replicate=2, pp=4, gpus_per_node=8)
+    assert g["tp"] == Group(8, 8) and not g["tp"].crosses_nodes
+    assert g["dp_shard"] == Group(4, 1) and g["dp_replicate"] == Group(2, 1) and g["pp"] == Group(4, 1)
+    g = groups(tp=2, dp_shard=8, dp_replicate=1, pp=2, gpus_per_node=8)
+    assert g["dp_shard"] == Group(8, 4)  # 4 shards share each node, each with its own NIC
+    assert place(4, 1, 8) == Group(4, 4) and place(16, 1, 8) == Group(16, 8)
+
+
+def test_bandwidth_of_groups_that_span_nodes():
+    assert bus_bandwidth(Group(8, 8), LINKS) == 100e9
+    assert bus_bandwidth(Group(16, 1), LINKS) == 10e9  # one NIC per node in the ring
+    assert bus_bandwidth(Group(16, 4), LINKS) == 40e9  # four NICs per node
+    assert bus_bandwidth(Group(32, 16), LINKS) == 100e9  # never faster than NVLink
+    assert p2p_s(1e9, Group(2, 1), LINKS) == pytest.approx(0.1)
+    assert p2p_s(1e9, Group(2, 2), LINKS) == pytest.approx(0.01)

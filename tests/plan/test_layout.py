@@ -1,0 +1,69 @@
+"""Reading --layout, and the divisibility rules every layout must obey."""
+
+import re
+
+import pytest
+
+from ember.config import ConfigError
+from ember.plan.layout import Layout, TrainShape, candidates, check, parse_layout
+from ember.plan.models import PRESETS
+
+LLAMA = PRESETS["llama3-8b"]  # 32 heads, 8 key/value heads, 32 layers
+SHAPE = TrainShape(4096, 64)
+
+
+def test_parse_full_form():
+    lo = parse_layout("tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full", 384)
+    assert lo == Layout(tp=8, pp=12, dp_shard=4, dp_replicate=1, zero=1, mbs=1, recompute="full")
+    lo = parse_layout("tp=2, sp=1, pp=4, vpp=2, dp=8, zero=3, dp_shard=4", 64)
+    assert (lo.sp, lo.schedule, lo.dp_shard, lo.dp_replicate) == (True, "interleaved", 4, 2)
+    assert parse_layout("tp=1,sp=1", 8).sp is False  # sequence parallelism needs tensor parallelism
+    assert parse_layout("tp=2", 16).dp == 8  # dp defaults to what is left
+    assert parse_layout("dp=8", 8).dp_replicate == 8  # zero 0 replicates
+
+
+@pytest.mark.parametrize("text,words", [
+    ("tp8", "not key=value"), ("tq=8", "not key=value"), ("tp=two", "positive whole number"),
+    ("tp=0", "positive whole number"), ("recompute=some", "recompute must be one of"),
+    ("schedule=zigzag", "schedule must be one of"), ("zero=4", "zero must be 0, 1, 2 or 3"),
+    ("dp=8,dp_shard=3", "dp (8) must equal"), ("dp=8,dp_shard=4", "needs zero"), ("sp=maybe", "sp must be 0 or 1"),
+])
+def test_parse_rejects_malformed(text, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse_layout(text, 8)
+
+
+@pytest.mark.parametrize("layout,words", [
+    (Layout(tp=3, dp_replicate=2), "GPUs"),  # 6 GPUs, not 8
+    (Layout(tp=16, dp_replicate=1), "GPUs"),
+    (Layout(tp=8, pp=2), "GPUs"),
+    (Layout(tp=8), None),
+    (Layout(pp=3, dp_replicate=1, tp=1), "GPUs"),
+])
+def test_gpu_count(layout, words):
+    reason = check(layout, LLAMA, 8, SHAPE)
+    assert (reason is None) if words is None else (words in reason)
+
+
+@pytest.mark.parametrize("layout,gpus,words", [
+    (Layout(tp=16), 16, "must divide the 32 attention heads and the 8 key/value heads"),
+    (Layout(pp=3, dp_replicate=2), 6, "must divide the 32 layers"),
+    (Layout(pp=4, vpp=3, schedule="interleaved"), 4, "must divide the 32 layers"),
+    (Layout(dp_replicate=8, mbs=16), 8, "must divide the global batch"),
+    (Layout(pp=2, vpp=2), 2, "needs schedule=interleaved"),
+    (Layout(pp=2, schedule="interleaved"), 2, "needs pp >= 2 and vpp >= 2"),
+    (Layout(pp=4, vpp=2, schedule="interleaved", dp_replicate=2, mbs=16), 8, "multiple of pp"),  # 2 micro-batches
+])
+def test_divisibility_rejections(layout, gpus, words):
+    assert words in check(layout, LLAMA, gpus, SHAPE)
+
+
+def test_search_space_is_legal_and_keeps_tp_in_a_node():
+    layouts = candidates(LLAMA, 32, 8, TrainShape(8192, 128))
+    assert layouts and all(check(lo, LLAMA, 32, TrainShape(8192, 128)) is None for lo in layouts)
+    assert max(lo.tp for lo in layouts) == 8
+    assert {lo.zero for lo in layouts} == {0, 1, 2, 3}
+    assert {lo.recompute for lo in layouts} == {"none", "selective", "full"}
+    assert any(lo.schedule == "interleaved" for lo in layouts)
+    assert any(lo.dp_replicate > 1 and lo.zero for lo in layouts)  # hybrid: shard in a node, replicate across
+    assert len(set(layouts)) == len(layouts)

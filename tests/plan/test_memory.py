@@ -1,0 +1,74 @@
+"""Memory formulas against values computed by hand: 16 bytes/param by ZeRO stage,
+Korthikanti et al.'s activation terms, micro-batches in flight per schedule."""
+
+import pytest
+
+from ember.plan.layout import Layout, TrainShape
+from ember.plan.memory import activation_bytes_per_token, in_flight, stage_memory, total_params
+from ember.plan.models import PRESETS, ModelSpec
+
+# A GPT block exactly as Korthikanti et al. count it: 4h GELU MLP, multi-head, dropout.
+GPT = ModelSpec("gpt", layers=8, hidden=1024, heads=16, mlp_hidden=4096, vocab_size=1024, dropout=True)
+
+
+@pytest.mark.parametrize("zero,grad_bytes,per_param", [
+    (0, 2, 2 + 2 + 12), (1, 2, 2 + 2 + 12 / 4), (2, 2, 2 + (2 + 12) / 4), (3, 2, 16 / 4),
+    (0, 4, 2 + 4 + 12), (1, 4, 2 + 4 + 12 / 4),  # fp32 main gradients: 18 bytes/param
+])
+def test_model_states_by_zero_stage(zero, grad_bytes, per_param):
+    layout = Layout(dp_shard=4 if zero else 1, dp_replicate=1 if zero else 4, zero=zero)
+    mem = stage_memory(GPT, layout, TrainShape(128, 64), 0, grad_bytes, "flash", 80 * 2**30)
+    states = mem.weights + mem.grads + mem.optimizer  # pp=1: the one stage holds every parameter
+    assert states == pytest.approx(per_param * total_params(GPT), rel=1e-9)
+
+
+@pytest.mark.parametrize("tp,sp,recompute,expected_over_sbh", [
+    (1, False, "none", lambda a, s, h, t: 34 + 5 * a * s / h),
+    (4, True, "none", lambda a, s, h, t: (34 + 5 * a * s / h) / t),  # TP + SP
+    (4, False, "none", lambda a, s, h, t: 10 + 24 / t + 5 * a * s / (h * t)),  # TP only
+    (4, True, "selective", lambda a, s, h, t: 34 / t),
+    (1, False, "selective", lambda a, s, h, t: 34),
+    (1, False, "full", lambda a, s, h, t: 2),
+    (4, True, "full", lambda a, s, h, t: 2 / t),
+])
+def test_korthikanti_activation_terms(tp, sp, recompute, expected_over_sbh):
+    s, h, a = 2048, GPT.hidden, GPT.heads
+    got = activation_bytes_per_token(GPT, s, Layout(tp=tp, sp=sp, recompute=recompute), "unfused")
+    assert got == pytest.approx(h * expected_over_sbh(a, s, h, tp), rel=1e-12)
+
+
+def test_flash_attention_stores_no_softmax_and_gqa_shrinks_kv():
+    s, h = 4096, GPT.hidden
+    flash = activation_bytes_per_token(GPT, s, Layout(), "flash")
+    assert flash == pytest.approx(34 * h + 4 * GPT.heads)  # only a 4-byte log-sum-exp per head
+    gqa = GPT.with_shape(kv_heads=4)  # K and V shrink from 2h each to 2h/4
+    assert activation_bytes_per_token(gqa, s, Layout(), "flash") == pytest.approx(flash - 4 * h * 3 / 4)
+
+
+def test_micro_batches_in_flight():
+    assert [in_flight(Layout(pp=4), 16, i) for i in range(4)] == [4, 3, 2, 1]  # 1F1B
+    assert in_flight(Layout(pp=4), 2, 0) == 2  # never more than there are
+    assert in_flight(Layout(pp=4, schedule="gpipe"), 16, 0) == 16
+    p, v = 4, 2
+    inter = Layout(pp=p, vpp=v, schedule="interleaved")
+    assert in_flight(inter, 16, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))  # Korthikanti's factor
+
+
+@pytest.mark.parametrize("name,billions", [
+    ("gpt3-175b", 175), ("bloom-176b", 176.2), ("llama2-7b", 6.74), ("llama2-13b", 13.0), ("llama2-70b", 69.0),
+    ("llama3-8b", 8.03), ("llama3-70b", 70.6), ("llama3-405b", 405.9), ("bert-base", 0.110), ("gpt2-small", 0.124),
+])
+def test_preset_parameter_counts_match_the_papers(name, billions):
+    assert total_params(PRESETS[name]) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_full_recompute_and_sharding_lower_memory():
+    from ember.plan.memory import memory
+    from ember.plan.hardware import gpu_by_name
+
+    model, shape, gpu = PRESETS["llama2-7b"], TrainShape(4096, 64), gpu_by_name("A100-80GB")
+    none = memory(model, Layout(dp_shard=8, zero=1, mbs=2), shape, gpu)
+    full = memory(model, Layout(dp_shard=8, zero=1, mbs=2, recompute="full"), shape, gpu)
+    zero3 = memory(model, Layout(dp_shard=8, zero=3, mbs=2, recompute="full"), shape, gpu)
+    assert full.activations < none.activations / 10 and full.total < none.total
+    assert zero3.total < full.total and zero3.weights == pytest.approx(full.weights / 8)

@@ -1,0 +1,28 @@
+"""The search: legal, ranked, and fast enough for the largest cases."""
+
+import time
+
+from ember.plan.cluster import make_cluster
+from ember.plan.layout import TrainShape, check
+from ember.plan.models import PRESETS
+from ember.plan.search import runners_up, search
+
+
+def test_gpt3_175b_on_1024_gpus_is_searched_quickly():
+    start = time.perf_counter()
+    result = search(PRESETS["gpt3-175b"], make_cluster("A100-80GB", 1024), TrainShape(2048, 1536))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 20, f"search took {elapsed:.1f} s"  # ~1.3 s measured on 2 CPU cores
+    assert result.considered > 5000 and result.ranked
+    assert all(p.fits for p in result.ranked) and not any(p.fits for p in result.too_big)
+    times = [p.step_time_s for p in result.ranked]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:]))
+    best = result.best.layout
+    assert check(best, PRESETS["gpt3-175b"], 1024, TrainShape(2048, 1536)) is None and best.tp <= 8
+    assert len({(p.layout.tp, p.layout.pp, p.layout.dp) for p in runners_up(result)}) >= 2
+
+
+def test_small_model_prefers_plain_data_parallelism():
+    result = search(PRESETS["gpt2-small"], make_cluster("A100-80GB", 8), TrainShape(1024, 256))
+    best = result.best.layout
+    assert (best.tp, best.pp, best.dp) == (1, 1, 8)

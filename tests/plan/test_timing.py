@@ -1,0 +1,72 @@
+"""Time predictions: matmul efficiency by shape, pipeline bubbles, and the directions a
+planner must get right (slower links, recomputation)."""
+
+import pytest
+
+from ember.plan.cluster import make_cluster
+from ember.plan.hardware import gpu_by_name
+from ember.plan.layout import Layout, TrainShape
+from ember.plan.models import PRESETS
+from ember.plan.predict import pipeline_s, predict
+from ember.plan.timing import matmul_efficiency, matmul_s
+
+A100 = gpu_by_name("A100-80GB")
+
+
+def test_small_matmuls_run_far_below_peak_and_efficiency_is_smooth():
+    big = matmul_efficiency(8192, 8192, 8192, A100)
+    assert 0.8 < big <= A100.matmul_eff
+    assert matmul_efficiency(256, 256, 64, A100) < 0.1 * big
+    sizes = [64 * 1.1**i for i in range(60)]
+    for dim in range(3):
+        effs = [matmul_efficiency(*(s if d == dim else 4096 for d in range(3)), A100) for s in sizes]
+        assert all(b > a for a, b in zip(effs, effs[1:]))  # grows with every dimension...
+        assert max(b / a for a, b in zip(effs, effs[1:])) < 1.1  # ...without jumps (no lookup table)
+    # Splitting a layer 8 ways costs efficiency: 8 small matmuls take longer than 1/8 of the big one.
+    assert 8 * matmul_s(4096, 4096 / 8, 4096, A100) > 1.03 * matmul_s(4096, 4096, 4096, A100)
+    # A skinny matmul is bound by memory: at one row it costs about its bytes at HBM speed.
+    weights = 2 * 8192 * 8192 / (A100.hbm_gbps * 1e9 * A100.hbm_eff)
+    assert weights < matmul_s(1, 8192, 8192, A100) < 1.15 * weights
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 16, 1), (8, 32, 1), (4, 16, 2), (8, 64, 4)])
+def test_bubble_fractions(p, m, v):
+    t = 0.25
+    total, bubble = pipeline_s([t] * p, m, v)
+    assert bubble / (m * t) == pytest.approx((p - 1) / (v * m))  # (p-1)/m, interleaved (p-1)/(v·m)
+    assert total == pytest.approx(m * t + bubble)
+    # An unequal stage paces the steady state.
+    assert pipeline_s([t] * (p - 1) + [2 * t], m, v)[0] > m * 2 * t
+
+
+def _predict(layout, gpus=8, per_node=8, model="llama2-13b", **shape):
+    cluster = make_cluster("A100-80GB", gpus, per_node)
+    return predict(PRESETS[model], cluster, TrainShape(**{"seq_len": 4096, "global_batch": 64, **shape}), layout)
+
+
+def test_tensor_parallelism_over_the_network_is_slower():
+    inside = _predict(Layout(tp=8, sp=True), per_node=8)
+    across = _predict(Layout(tp=8, sp=True), per_node=4)
+    assert across.step_time_s > 1.2 * inside.step_time_s
+    tp_seconds = [p.shares["tp_comm"] * p.step_time_s for p in (inside, across)]
+    assert tp_seconds[1] > 2 * tp_seconds[0]  # 4 NICs x 25 GB/s against 300 GB/s NVLink
+    # On nodes of 4, keeping tp inside the node and pipelining across is the better plan.
+    assert _predict(Layout(tp=4, sp=True, pp=2), per_node=4).step_time_s < across.step_time_s
+
+
+def test_full_recompute_lowers_memory_and_raises_time():
+    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, mbs=2)
+    none, full = _predict(base), _predict(Layout(**{**base.__dict__, "recompute": "full"}))
+    assert full.memory.total < none.memory.total
+    assert full.step_time_s > 1.2 * none.step_time_s
+    assert full.hw_tflops_per_gpu > full.tflops_per_gpu  # recomputed FLOPs count as hardware FLOPs only
+    assert none.hw_tflops_per_gpu == pytest.approx(none.tflops_per_gpu)
+
+
+def test_step_figures_agree_with_each_other():
+    p = _predict(Layout(tp=2, sp=True, pp=2, dp_shard=2, zero=1, mbs=1))
+    tokens = 4096 * 64
+    assert p.tokens_per_s_per_gpu == pytest.approx(tokens / p.step_time_s / 8)
+    assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / A100.peak_bf16_flops)
+    assert sum(p.shares.values()) == pytest.approx(1.0, abs=0.02)
+    assert 0.2 < p.mfu < A100.matmul_eff
