@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
 
     # Verbs that live beside their code register themselves here, one line each.
+    from ember.eval.command import register_eval
+    from ember.export.command import register_export
     from ember.plan.command import register_plan
+    register_eval(verbs)
+    register_export(verbs)
     register_plan(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")

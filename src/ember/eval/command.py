@@ -1,0 +1,65 @@
+"""The `ember eval` verbs: `glue` and `lm`. Heavy imports wait until a verb runs, so
+that `ember --help` stays fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _cmd_glue(args) -> int:
+    from rich.console import Console
+
+    from ember.eval.glue import results_table, run_glue
+
+    results = run_glue(args.checkpoint, args.glue_dir, tasks=args.tasks, seeds=args.seeds,
+                       tokenizer=args.tokenizer, out=args.out, device=args.device, progress=not args.quiet)
+    console = Console()
+    console.print(results_table(results))
+    console.print(f"results written to {results['path']}")
+    return 0
+
+
+def _cmd_lm(args) -> int:
+    from ember.data.atomic import write_text_atomic
+    from ember.eval.lm import evaluate_lm
+
+    result = evaluate_lm(args.checkpoint, args.data, batches=args.batches, batch_size=args.batch_size,
+                         device=args.device)
+    what = "masked-token" if result["objective"] == "mlm" else "next-token"
+    line = (f"held-out loss {result['loss']:.4f}   perplexity {result['perplexity']:,.2f}   "
+            f"{what} accuracy {100 * result['accuracy']:.2f}%   "
+            f"({result['targets']:,} targets in {result['sequences']:,} sequences)")
+    if result["unigram_entropy"]:
+        line += f"\n  unigram baseline {result['unigram_entropy']:.4f}"
+    print(line)
+    out = Path(args.out) if args.out else Path(result["checkpoint"]) / "eval" / "lm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(result, indent=1))
+    print(f"written to {out}")
+    return 0
+
+
+def register_eval(verbs) -> None:
+    """Add `ember eval glue` and `ember eval lm` to the top-level subparsers."""
+    evals = verbs.add_parser("eval", help="evaluate a trained run").add_subparsers(dest="eval_verb", required=True)
+
+    glue = evals.add_parser("glue", help="fine-tune on GLUE tasks (Cramming's protocol) and report dev scores")
+    glue.add_argument("--checkpoint", required=True, help="run directory (or one of its checkpoints/step_* folders)")
+    glue.add_argument("--glue-dir", required=True, help="the unpacked GLUE data: CoLA/, SST-2/, MRPC/, ...")
+    glue.add_argument("--tasks", help="comma-separated: cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte (default: all)")
+    glue.add_argument("--seeds", type=int, default=5, help="fine-tuning runs per task; the median is reported")
+    glue.add_argument("--tokenizer", help="tokenizer.json (default: the one in the run directory)")
+    glue.add_argument("--out", help="results file (.json) or folder (default: RUN_DIR/eval/glue/results.json)")
+    glue.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    glue.add_argument("--quiet", action="store_true", help="no progress bars")
+    glue.set_defaults(func=_cmd_glue)
+
+    lm = evals.add_parser("lm", help="held-out loss, perplexity and token accuracy on prepared data")
+    lm.add_argument("--checkpoint", required=True, help="run directory (or one of its checkpoints/step_* folders)")
+    lm.add_argument("--data", required=True, help="folder written by `ember data prepare` (its val split is used)")
+    lm.add_argument("--batches", type=int, help="score only this many batches (default: the whole val split)")
+    lm.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's train.micro_batch)")
+    lm.add_argument("--out", help="JSON file for the numbers (default: RUN_DIR/eval/lm.json)")
+    lm.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    lm.set_defaults(func=_cmd_lm)

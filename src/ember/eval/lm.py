@@ -1,0 +1,79 @@
+"""`ember eval lm`: held-out loss, perplexity and token accuracy of a checkpoint on a
+prepared dataset's validation split.
+
+The sequences are the split's first ones in file order and MLM masks are the trainer's
+held-out masks (a pure function of data seed and row), so two checkpoints, or a
+checkpoint and its own training log, are scored on exactly the same targets: with the
+run's micro-batch and eval_batches, the loss equals the trainer's last held-out loss.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ember.config import ConfigError
+from ember.data import Batches, DataError, load_manifest, make_targets
+from ember.eval.run import open_run
+from ember.train.device import autocast, autocast_dtype, device_name, pick_device
+
+IGNORE = -100
+
+
+def check_data(run, manifest: dict, data_dir: Path) -> None:
+    """Refuse data the model cannot read or was not trained to read, in one sentence."""
+    m = run.config.model
+    if int(manifest["vocab_size"]) > m.vocab_size:
+        raise ConfigError(f"the data in {data_dir} has a vocabulary of {manifest['vocab_size']} but the model "
+                          f"knows {m.vocab_size} tokens; evaluate on data prepared with the run's tokenizer.json.")
+    trained_on = run.data.get("tokenizer_sha256")
+    if trained_on and manifest.get("tokenizer_sha256") and manifest["tokenizer_sha256"] != trained_on:
+        raise ConfigError(f"the data in {data_dir} was tokenized with another tokenizer than the run's; prepare "
+                          f"it with --tokenizer {run.run_dir / 'tokenizer.json'}.")
+    if int(manifest["seq_len"]) > m.max_seq_len:
+        raise ConfigError(f"the data's sequences ({manifest['seq_len']} tokens) are longer than the model's "
+                          f"max_seq_len ({m.max_seq_len}); prepare it with --seq-len {m.max_seq_len}.")
+    if m.objective == "mlm" and manifest["special_tokens"].get("mask") is None:
+        raise ConfigError(f"the data in {data_dir} has no mask token, so a masked LM cannot be scored on it.")
+
+
+@torch.no_grad()
+def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | None = None,
+                batch_size: int | None = None, device: str = "auto") -> dict:
+    """Mean loss per target, its perplexity and argmax accuracy over the targets."""
+    run = open_run(checkpoint)
+    data_dir = Path(data_dir)
+    manifest = load_manifest(data_dir)
+    check_data(run, manifest, data_dir)
+    cfg = run.config
+    batch_size = batch_size or cfg.train.micro_batch
+    if batch_size < 1 or (batches is not None and batches < 1):
+        raise ConfigError("--batches and --batch-size must be at least 1.")
+    val = Batches(data_dir, manifest, "val", seed=cfg.data.seed)
+    if len(val) == 0:
+        raise DataError(f"the data in {data_dir} has no held-out sequences; prepare it with --val-fraction > 0.")
+    ids = val.fixed(len(val) if batches is None else batches * batch_size)
+    dev = pick_device(device)
+    amp_dtype = autocast_dtype(cfg.train.precision, dev)
+    model = run.build_model(device=dev).eval()
+    loss_sum, correct, targets = 0.0, 0, 0
+    for start in range(0, len(ids), batch_size):
+        # The trainer's held-out masks: data seed + 1, rows numbered from the split's start.
+        inputs, labels = make_targets(ids[start:start + batch_size], cfg.model.objective, cfg.data,
+                                      manifest["special_tokens"], manifest["vocab_size"], cfg.data.seed + 1, start)
+        inputs, labels = inputs.to(dev), labels.to(dev)
+        keep = labels != IGNORE
+        with autocast(dev, amp_dtype):
+            # Only labelled positions reach the output layer, as in sparse prediction.
+            logits = model.head(model.norm(model.trunk(inputs)[keep])).float()
+        loss_sum += float(F.cross_entropy(logits, labels[keep], reduction="sum"))
+        correct += int((logits.argmax(-1) == labels[keep]).sum())
+        targets += int(keep.sum())
+    loss = loss_sum / max(targets, 1)
+    return {"checkpoint": str(run.run_dir), "weights": str(run.weights), "data": str(data_dir),
+            "objective": cfg.model.objective, "sequences": len(ids), "targets": targets,
+            "loss": loss, "perplexity": math.exp(min(loss, 700.0)), "accuracy": correct / max(targets, 1),
+            "unigram_entropy": manifest.get("unigram_entropy"), "device": device_name(dev)}

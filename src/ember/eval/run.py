@@ -1,0 +1,111 @@
+"""Open a run directory for evaluation or export: its config, its weights, its tokenizer.
+
+The trainer leaves `config.toml`, `tokenizer.json` and `data.json` in the run directory,
+so a run is self-contained. Weights come from `model.safetensors` (a finished run) or
+else the newest complete checkpoint (an interrupted one). A checkpoint folder
+`RUN_DIR/checkpoints/step_N` may be named directly to evaluate an earlier point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from ember.config import Config, ConfigError, load_config
+from ember.data import load_tokenizer, special_token_ids
+from ember.model import Transformer
+from ember.train.checkpoint import latest_checkpoint
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    config: Config
+    weights: Path  # model.safetensors to load
+    tokenizer_path: Path
+    tokenizer: Tokenizer
+    special_tokens: dict  # role -> id: sep, pad, mask, cls, unk (as found in the tokenizer)
+    data: dict  # data.json, or {} for runs that predate it
+
+    @property
+    def objective(self) -> str:
+        return self.config.model.objective
+
+    def build_model(self, dropout: float | None = None, device: str | torch.device = "cpu") -> Transformer:
+        """The trained Transformer; `dropout` overrides the recipe's (fine-tuning uses 0.1)."""
+        cfg = self.config.model if dropout is None else replace(self.config.model, dropout=dropout)
+        model = Transformer(cfg)
+        load_weights(model, self.weights)
+        return model.to(device)
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_model
+
+    try:
+        # load_model restores tied weights that save_model stored once.
+        load_model(model, str(path), strict=True, device="cpu")
+    except (RuntimeError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path} does not hold weights for the model its config.toml describes ({first}); "
+                          "point --checkpoint at an unmodified ember run directory.") from None
+
+
+def _locate(path: Path) -> tuple[Path, Path]:
+    """(run directory, weights file) for a run directory or one of its checkpoint folders."""
+    if (path / "config.toml").is_file():
+        if (path / "model.safetensors").is_file():
+            return path, path / "model.safetensors"
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise ConfigError(f"{path} holds no model.safetensors and no complete checkpoint yet; "
+                              "let the run save a checkpoint first.")
+        return path, newest / "model.safetensors"
+    run_dir = path.parent.parent  # RUN_DIR/checkpoints/step_N
+    if (path / "model.safetensors").is_file() and (run_dir / "config.toml").is_file():
+        return run_dir, path / "model.safetensors"
+    raise ConfigError(f"{path} is not an ember run directory (no config.toml); "
+                      "pass the --out folder of `ember train` or one of its checkpoints/step_* folders.")
+
+
+def tokenizer_sha256(path: Path) -> str:
+    # The manifest hashes the tokenizer's text; the run keeps a byte copy, so hash the text too.
+    return hashlib.sha256(path.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
+
+
+def vocabulary_size(tok: Tokenizer) -> int:
+    return max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
+
+
+def open_run(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Run:
+    """Everything evaluation and export need from a run, checked before any compute."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint {path} is not a folder; pass the --out folder of `ember train`.")
+    run_dir, weights = _locate(path)
+    config = load_config(run_dir / "config.toml")
+    if config.model.vocab_size < 1:
+        raise ConfigError(f"{run_dir}/config.toml has no resolved model.vocab_size; it was not written by a run.")
+    tok_path = Path(tokenizer) if tokenizer is not None else run_dir / "tokenizer.json"
+    if tokenizer is None and not tok_path.is_file():
+        raise ConfigError(f"{run_dir} has no tokenizer.json; pass --tokenizer with the tokenizer.json "
+                          "of the data the run was trained on.")
+    tok = load_tokenizer(tok_path)
+    tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+    vocab = vocabulary_size(tok)
+    if vocab > config.model.vocab_size:
+        raise ConfigError(f"the tokenizer {tok_file} has {vocab} tokens but the model was trained on a "
+                          f"vocabulary of {config.model.vocab_size}; pass the run's own tokenizer with --tokenizer.")
+    data_path = run_dir / "data.json"
+    data = json.loads(data_path.read_text()) if data_path.is_file() else {}
+    trained_with = data.get("tokenizer_sha256")
+    if trained_with and tokenizer_sha256(tok_file) != trained_with:
+        # Same size, other tokens: every score would be silently meaningless.
+        raise ConfigError(f"the tokenizer {tok_file} is not the one the run was trained with (its sha256 "
+                          f"differs from {data_path}); leave out --tokenizer to use the run's own.")
+    return Run(run_dir, config, weights, tok_file, tok, special_token_ids(tok), data)

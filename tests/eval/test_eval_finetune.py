@@ -1,0 +1,68 @@
+"""Fine-tuning: where each objective pools, the schedule, dropout, and that it learns."""
+
+import pytest
+import torch
+from eval_helpers import trained_run, write_glue
+
+from ember.config import ModelConfig
+from ember.eval.finetune import Classifier, Protocol, lr_at
+from ember.eval.glue import run_glue
+from ember.model import Transformer
+
+
+def _classifier(objective):
+    torch.manual_seed(0)
+    cfg = ModelConfig(objective=objective, vocab_size=50, hidden=32, layers=2, heads=2, mlp_hidden=64,
+                      max_seq_len=32, activation="swiglu", norm="rmsnorm", positions="rotary")
+    return Classifier(Transformer(cfg), 3, dropout=0.1).eval()
+
+
+def test_causal_pools_the_last_real_token():
+    model = _classifier("causal")
+    ids = torch.randint(5, 50, (1, 10))
+    with torch.no_grad():
+        alone = model(ids, torch.tensor([10]))
+        padded = model(torch.cat([ids, torch.zeros(1, 6, dtype=torch.long)], 1), torch.tensor([10]))
+        other_end = ids.clone()
+        other_end[0, -1] = (ids[0, -1] + 1) % 50
+        changed = model(other_end, torch.tensor([10]))
+        earlier = model(ids[:, :9], torch.tensor([9]))
+    torch.testing.assert_close(alone, padded)  # right padding is invisible to a causal model
+    assert not torch.allclose(alone, changed)  # ... and the last token is read
+    assert not torch.allclose(alone, earlier)
+
+
+def test_mlm_pools_the_first_token_which_sees_everything():
+    model = _classifier("mlm")
+    ids = torch.randint(5, 50, (1, 10))
+    other_end = ids.clone()
+    other_end[0, -1] = (ids[0, -1] + 1) % 50
+    with torch.no_grad():
+        assert not torch.allclose(model(ids, torch.tensor([10])), model(other_end, torch.tensor([10])))
+        # the pooled position is the first: the length does not move it
+        torch.testing.assert_close(model(ids, torch.tensor([10])), model(ids, torch.tensor([4])))
+
+
+def test_dropout_is_on_while_fine_tuning():
+    model = _classifier("causal").train()
+    ids = torch.randint(5, 50, (2, 10))
+    assert not torch.allclose(model(ids, torch.tensor([10, 10])), model(ids, torch.tensor([10, 10])))
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    p = Protocol(lr=1.0)
+    lrs = [lr_at(step, 100, p) for step in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and max(lrs) == 1.0
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 1e-3
+    assert lrs[54] == pytest.approx(0.5, abs=0.02)  # half-way through the cosine
+
+
+@pytest.mark.parametrize("objective", ["causal", "mlm"])
+def test_fine_tuning_learns_a_learnable_task(objective, dataset, tmp_path, tmp_path_factory):
+    """The label is the last word of the second sentence: chance is 50%. The tiny model
+    needs a larger learning rate and more epochs than the protocol's to learn it in seconds."""
+    run = trained_run(objective, dataset, tmp_path_factory)
+    glue = write_glue(tmp_path / "glue", sizes=(160, 100), folders=("RTE",), seed=1)
+    results = run_glue(run, glue, tasks="rte", seeds=1, out=tmp_path / "r.json", progress=False,
+                       protocol=Protocol(lr=3e-3, epochs=10))
+    assert results["columns"]["RTE"] >= 0.9, results["tasks"]["rte"]

@@ -1,0 +1,63 @@
+"""`ember eval lm`: the held-out numbers of a checkpoint, comparable between runs."""
+
+import json
+import math
+import shutil
+
+import pytest
+from eval_helpers import trained_run
+
+from ember.cli import main
+from ember.eval.lm import evaluate_lm
+
+
+@pytest.mark.parametrize("objective", ["causal", "mlm"])
+def test_reproduces_the_trainers_held_out_loss(objective, dataset, tmp_path_factory):
+    run = trained_run(objective, dataset, tmp_path_factory)
+    summary = json.loads((run / "summary.json").read_text())
+    # The trainer scores eval_batches (2) micro-batches (4) with fixed masks; so does this.
+    result = evaluate_lm(run, dataset, batches=2, batch_size=4)
+    assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    assert 0.0 <= result["accuracy"] <= 1.0 and result["sequences"] == 8
+    if objective == "mlm":
+        assert 0.05 * 8 * 64 < result["targets"] < 0.3 * 8 * 64  # the masked positions only
+    else:
+        assert result["targets"] == 8 * 63
+    # masks do not depend on the batch size
+    assert evaluate_lm(run, dataset, batches=1, batch_size=8)["loss"] == pytest.approx(result["loss"], rel=1e-6)
+
+
+def test_command_scores_the_whole_split_and_writes_json(dataset, tmp_path_factory, tmp_path, capsys):
+    run = trained_run("mlm", dataset, tmp_path_factory)
+    out = tmp_path / "lm.json"
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--out", str(out)]) == 0
+    assert "masked-token accuracy" in capsys.readouterr().out
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert json.loads(out.read_text())["sequences"] == manifest["splits"]["val"]["sequences"]
+
+
+def test_data_the_model_cannot_read_is_refused(dataset, tmp_path_factory, tmp_path, capsys):
+    run = trained_run("causal", dataset, tmp_path_factory)
+    other = tmp_path / "other"
+    shutil.copytree(dataset, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(manifest | {"tokenizer_sha256": "0" * 64}))
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(other)]) == 2
+    assert "another tokenizer" in capsys.readouterr().err
+    (other / "manifest.json").write_text(json.dumps(manifest | {"vocab_size": 100_000}))
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary of 100000" in err and err.count("\n") == 1
+
+
+def test_checkpoint_folders_and_unfinished_runs(dataset, tmp_path_factory, tmp_path):
+    run = trained_run("causal", dataset, tmp_path_factory)
+    final = evaluate_lm(run, dataset, batches=1)
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    assert evaluate_lm(step, dataset, batches=1)["loss"] == final["loss"]  # the last step is the final model
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(run, unfinished)
+    (unfinished / "model.safetensors").unlink()  # as a run stopped before its end leaves it
+    result = evaluate_lm(unfinished, dataset, batches=1)
+    assert result["weights"].endswith(f"{step.name}/model.safetensors") and result["loss"] == final["loss"]

@@ -1,0 +1,89 @@
+"""`ember export hf`: the exported folder loads with transformers' from_pretrained and
+computes ember's logits; architectures that do not map exactly are refused."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_model
+
+from ember.cli import main
+from ember.config import load_config, to_toml
+from ember.data import train_tokenizer
+from ember.model import Transformer
+
+SHAPE = ["model.hidden=64", "model.layers=2", "model.heads=4", "model.mlp_hidden=96", "model.max_seq_len=32"]
+LLAMA = ["model.objective=causal", "model.norm=rmsnorm", "model.activation=swiglu", "model.positions=rotary"]
+GPT2 = ["model.objective=causal", "model.norm=layernorm", "model.activation=gelu", "model.positions=learned"]
+DOCS = ["Return the number of items in a sequence.", "Open the file and read its lines.",
+        "Raise ValueError when the argument is negative."] * 10
+
+
+def make_run(folder, overrides):
+    """A run directory as the trainer leaves it, with random non-trivial weights."""
+    tok = train_tokenizer("bpe", DOCS, 300)
+    vocab = tok.get_vocab_size()
+    config = load_config(None, SHAPE + overrides + [f"model.vocab_size={vocab}"])
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # non-trivial, so that their placement is tested
+                param.add_(0.1 * torch.randn_like(param))
+            else:  # activations of order 1, where GELU's tanh approximation would show
+                param.mul_(10.0)
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(to_toml(config))
+    save_model(model, str(folder / "model.safetensors"))
+    tok.save(str(folder / "tokenizer.json"))
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("overrides, architecture", [
+    (LLAMA + ["model.tie_embeddings=false", "model.rope_theta=500", "model.norm_eps=1e-6"], "LlamaForCausalLM"),
+    (LLAMA + ["model.bias=true"], "LlamaForCausalLM"),
+    (GPT2 + ["model.bias=true"], "GPT2LMHeadModel"),
+    (GPT2 + ["model.bias=false", "model.tie_embeddings=false"], "GPT2LMHeadModel"),
+])
+def test_exported_model_computes_embers_logits(tmp_path, overrides, architecture, capsys):
+    transformers = pytest.importorskip("transformers")
+    ours, tok = make_run(tmp_path / "run", overrides)
+    out = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert architecture in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert type(hf).__name__ == architecture
+    assert hf.config.vocab_size == ours.cfg.padded_vocab  # exported padded
+    ids = torch.randint(0, tok.get_vocab_size(), (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    text = "Read the number of lines."
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids  # no special tokens added, as in training
+    assert (hf_tok.eos_token, hf_tok.pad_token, hf_tok.mask_token) == ("<|endoftext|>", "<|pad|>", "<|mask|>")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == tok.token_to_id("<|endoftext|>")
+
+
+def test_masked_lms_are_refused_naming_what_differs(tmp_path, capsys):
+    make_run(tmp_path / "run", ["model.objective=mlm", "model.activation=geglu", "model.positions=rotary"])
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "ModernBERT" in err and "normalises the embeddings" in err and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
+
+
+def test_unmappable_causal_models_are_refused(tmp_path, capsys):
+    make_run(tmp_path / "run", LLAMA + ["model.norm=layernorm"])
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForCausalLM needs model.norm=rmsnorm (this run has layernorm)" in err and err.count("\n") == 1
+
+
+def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
+    make_run(tmp_path / "run", LLAMA)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
