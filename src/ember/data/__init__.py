@@ -11,8 +11,8 @@ from ember.data.loader import Batches
 from ember.data.manifest import load_manifest
 from ember.data.prepare import prepare
 from ember.data.sources import iter_documents
-from ember.data.targets import make_targets
+from ember.data.targets import held_out_seed, make_targets
 from ember.data.tokenizer import load_tokenizer, special_token_ids, train_tokenizer
 
 __all__ = ["Batches", "DataError", "iter_documents", "load_manifest", "load_tokenizer",
-           "make_targets", "prepare", "special_token_ids", "train_tokenizer", "write_stdlib_corpus"]
+           "held_out_seed", "make_targets", "prepare", "special_token_ids", "train_tokenizer", "write_stdlib_corpus"]

@@ -19,6 +19,11 @@ IGNORE = -100
 _NEVER_MASKED = ("sep", "pad", "cls", "mask", "unk")
 
 
+def held_out_seed(data_seed: int) -> int:
+    """The masking seed of held-out evaluation: fixed, and apart from training's."""
+    return data_seed + 1
+
+
 def causal_targets(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.full_like(ids, IGNORE)
     labels[:, :-1] = ids[:, 1:]

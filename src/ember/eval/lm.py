@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.config import ConfigError
-from ember.data import Batches, DataError, load_manifest, make_targets
+from ember.data import Batches, DataError, held_out_seed, load_manifest, make_targets
 from ember.eval.run import open_run
 from ember.train.device import autocast, autocast_dtype, device_name, pick_device
 
@@ -61,9 +61,9 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
     model = run.build_model(device=dev).eval()
     loss_sum, correct, targets = 0.0, 0, 0
     for start in range(0, len(ids), batch_size):
-        # The trainer's held-out masks: data seed + 1, rows numbered from the split's start.
+        # The trainer's held-out masks: rows numbered from the split's start.
         inputs, labels = make_targets(ids[start:start + batch_size], cfg.model.objective, cfg.data,
-                                      manifest["special_tokens"], manifest["vocab_size"], cfg.data.seed + 1, start)
+                                      manifest["special_tokens"], manifest["vocab_size"], held_out_seed(cfg.data.seed), start)
         inputs, labels = inputs.to(dev), labels.to(dev)
         keep = labels != IGNORE
         with autocast(dev, amp_dtype):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ember.config import Budget, Config, ConfigError, parse_budget, parse_interval, to_toml
-from ember.data import Batches, load_manifest, make_targets
+from ember.data import Batches, held_out_seed, load_manifest, make_targets
 from ember.model import Transformer
 from ember.plan.cost import model_flops_per_token
 from ember.train import checkpoint as ckpt
@@ -116,7 +116,8 @@ class Trainer:
         count = 0
         mb = self.cfg.train.micro_batch
         for start in range(0, len(self.val_ids), mb):
-            inputs, labels, n = self._targets(self.val_ids[start:start + mb], self.cfg.data.seed + 1, start)
+            inputs, labels, n = self._targets(self.val_ids[start:start + mb],
+                                             held_out_seed(self.cfg.data.seed), start)
             with autocast(self.device, self.amp_dtype):
                 total += self.forward(inputs, labels, reduction="sum").double()
             count += n
