@@ -1,6 +1,6 @@
 """How well `ember plan` predicts published training runs it has never seen.
 
-Reads published_runs.csv (default ../shared/planner/ from the repository root), predicts
+Reads published_runs.csv (default benchmarks/data/published_runs.csv), predicts
 every row from its model, cluster and layout, and prints per-row and median errors, the
 rank correlation over the FlagPerf Llama 3 8B sweep, whether the measured best layout is
 ranked first, and whether the layout that ran out of memory is predicted not to fit.
@@ -45,7 +45,7 @@ from ember.plan.models import PRESETS, ModelSpec
 from ember.plan.search import rank, search
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = REPO / ".." / "shared" / "planner" / "published_runs.csv"
+DEFAULT_CSV = REPO / "benchmarks" / "data" / "published_runs.csv"
 MEGATRON_2021 = Stack(attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False)
 MEGATRON_CORE = Stack(attention="flash", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False)
 
