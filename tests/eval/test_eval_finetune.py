@@ -39,8 +39,9 @@ def test_mlm_pools_the_first_token_which_sees_everything():
     other_end[0, -1] = (ids[0, -1] + 1) % 50
     with torch.no_grad():
         assert not torch.allclose(model(ids, torch.tensor([10])), model(other_end, torch.tensor([10])))
-        # the pooled position is the first: the length does not move it
-        torch.testing.assert_close(model(ids, torch.tensor([10])), model(ids, torch.tensor([4])))
+        # the pooled position is the first, and positions past the length are padding it
+        # does not attend to: a right-padded example scores as it does alone
+        torch.testing.assert_close(model(ids, torch.tensor([4])), model(ids[:, :4], torch.tensor([4])))
 
 
 def test_dropout_is_on_while_fine_tuning():

@@ -202,3 +202,17 @@ def test_dropout_only_in_training():
         assert not torch.allclose(model(ids), model(ids))
         model.eval()
         assert torch.equal(model(ids), model(ids))
+
+
+def test_key_padding_mask_hides_pads_from_a_masked_lm():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(objective="mlm", vocab_size=100, hidden=32, layers=2, heads=2,
+                                    mlp_hidden=64, max_seq_len=16)).eval()
+    ids = torch.randint(5, 100, (1, 6))
+    padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    real = torch.arange(10)[None, :] < 6
+    alone = model.trunk(ids)
+    masked = model.trunk(padded, key_padding_mask=real)[:, :6]
+    unmasked = model.trunk(padded)[:, :6]
+    torch.testing.assert_close(masked, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unmasked, alone, atol=1e-4)

@@ -58,7 +58,8 @@ class Classifier(nn.Module):
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """ids [B, T] right-padded, lengths [B] -> logits [B, outputs] (scores for regression)."""
-        h = self.encoder.trunk(ids)
+        real = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+        h = self.encoder.trunk(ids, key_padding_mask=real)
         at = torch.zeros_like(lengths) if self.first_token else lengths - 1
         pooled = self.encoder.norm(h[torch.arange(len(ids), device=ids.device), at])
         pooled = torch.tanh(self.pooler(self.drop(pooled)))

@@ -62,12 +62,18 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        # Packed sequences without padding: MLM attends everywhere, causal LM to the past.
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+        # Packed pretraining sequences have no padding: MLM attends everywhere, causal LM to
+        # the past. Right-padded batches (fine-tuning) pass key_padding_mask (True = a real
+        # token); a causal model never sees later pads, so only MLM needs it.
+        mask = None
+        if key_padding_mask is not None and not self.causal:
+            mask = key_padding_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             dropout_p=self.dropout if self.training else 0.0,
                                              is_causal=self.causal)
         batch, _, seq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -103,8 +109,8 @@ class Block(nn.Module):
         # Residual dropout as in GPT-2/BERT; a no-op at the default dropout of 0.
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), key_padding_mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

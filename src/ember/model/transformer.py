@@ -72,9 +72,10 @@ class Transformer(nn.Module):
                 total -= self.pos_embed.weight.numel()
         return total
 
-    def trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def trunk(self, input_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> hidden states [B, T, hidden] after the last block, before
-        the final norm."""
+        the final norm. `key_padding_mask` [B, T] (True = real token) keeps a masked LM
+        from attending to the pads of a right-padded batch."""
         seq = input_ids.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model max_seq_len {self.cfg.max_seq_len}.")
@@ -85,7 +86,7 @@ class Transformer(nn.Module):
             x = x + self.pos_table[:seq].to(x.dtype)
         x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, key_padding_mask)
         return x
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
