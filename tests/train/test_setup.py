@@ -57,3 +57,10 @@ def test_a_time_budget_ends_on_time_and_annealed(dataset, tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     lrs = [json.loads(x)["lr"] for x in lines if '"lr"' in x]
     assert max(lrs) > 0.5 * cfg.optim.lr and lrs[-1] < 0.1 * cfg.optim.lr
+
+
+def test_the_last_step_of_a_time_budget_is_logged(dataset, tmp_path):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.log_every=1000", "train.eval_every=1000steps"])
+    summary = Trainer(cfg, dataset, tmp_path / "run", budget="2s", progress=False).run()
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "loss" in r] == [summary["steps"]]

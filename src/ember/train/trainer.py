@@ -206,10 +206,11 @@ class Trainer:
             progress.tokens += tokens
             window["tokens"] += tokens
             window["flops"] += self._flops_per_token(self._predicted_fraction(count, tokens)) * tokens
+            progress.elapsed_s = time.perf_counter() - start
             if progress.step % t.log_every == 0 or progress.fraction(self.budget) >= 1.0:
-                synchronize(self.device)
-                window["seconds"] += time.perf_counter() - step_start
+                synchronize(self.device)  # so the window's time covers the work it queued
                 progress.elapsed_s = time.perf_counter() - start
+                window["seconds"] += time.perf_counter() - step_start
                 self.last_loss = float(loss)
                 record = self._record(progress, lr, grad_norm, window)
                 log.write(record)
@@ -217,7 +218,6 @@ class Trainer:
                 window = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
             else:
                 window["seconds"] += time.perf_counter() - step_start
-                progress.elapsed_s = time.perf_counter() - start
             if self._due(self.eval_every, last_eval, progress):
                 self._log_eval(progress, log, bar)
                 last_eval = (progress.step, progress.elapsed_s)
