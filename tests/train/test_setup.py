@@ -7,7 +7,7 @@ from conftest import REPO, TINY
 from ember.config import ConfigError, load_config, to_toml
 from ember.model import Transformer
 from ember.train.device import autocast_dtype, pick_device
-from ember.train.setup import build_optimizer, check_data_fits, check_resume_config
+from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data
 from ember.train.trainer import Trainer
 
 
@@ -64,3 +64,10 @@ def test_the_last_step_of_a_time_budget_is_logged(dataset, tmp_path):
     summary = Trainer(cfg, dataset, tmp_path / "run", budget="2s", progress=False).run()
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "loss" in r] == [summary["steps"]]
+
+
+def test_resume_refuses_data_from_another_tokenizer(tmp_path):
+    (tmp_path / "data.json").write_text(json.dumps({"tokenizer_sha256": "aaa"}))
+    check_resume_data({"tokenizer_sha256": "aaa"}, tmp_path / "data.json")
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        check_resume_data({"tokenizer_sha256": "bbb"}, tmp_path / "data.json")

@@ -3,6 +3,7 @@ agreement of config, data and an existing run, refused in one sentence when they
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -64,3 +65,13 @@ def check_resume_config(config: Config, saved_path: Path) -> None:
                     f"{section}.{key} is {value!r} but the run being resumed used {old!r}; "
                     f"resume with the same setting or start a new run in another --out."
                 )
+
+
+def check_resume_data(manifest: dict, saved_path: Path) -> None:
+    """A resumed run must read data made with the same tokenizer."""
+    if not saved_path.exists():
+        return
+    saved = json.loads(saved_path.read_text()).get("tokenizer_sha256")
+    if saved and saved != manifest.get("tokenizer_sha256"):
+        raise ConfigError("--data was prepared with another tokenizer than the run being resumed; "
+                          "resume with the run's own data or start a new run in another --out.")

@@ -22,7 +22,7 @@ from ember.train.device import (autocast, autocast_dtype, device_name, device_pe
                                 pick_device, synchronize)
 from ember.train.metrics import MetricsLog, ProgressBar
 from ember.train.schedule import Progress, batch_size, lr_factor
-from ember.train.setup import build_optimizer, check_data_fits, check_resume_config
+from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data
 
 
 class _StopFlag:
@@ -70,6 +70,7 @@ class Trainer:
             raise ConfigError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose another --out.")
         if self.resume_from is not None:
             check_resume_config(config, self.run_dir / "config.toml")
+            check_resume_data(self.manifest, self.run_dir / "data.json")
 
         self.device = pick_device(config.train.device)
         self.amp_dtype = autocast_dtype(config.train.precision, self.device)
