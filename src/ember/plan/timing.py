@@ -1,20 +1,27 @@
 """How long the work of one micro-batch takes on one GPU: matmuls at a shape-dependent
 efficiency, attention, memory-bound elementwise work, and tensor-parallel communication.
 
-Matmul efficiency. A GEMM of an [M, K] by a [K, N] matrix is cut into 128 x 128 output
-tiles that the GPU's streaming multiprocessors (SMs) work through in waves; the last wave
-is on average half empty, so with w = tiles / SMs waves the SMs are busy w / (w + 1/2) of
-the time. Each tile also pays a fixed prologue and epilogue, about 64 steps of its K loop,
-so the main loop runs K / (K + 64) of the time. Times the best efficiency measured on the
-GPU (`matmul_eff`, see hardware.py):
+Matmul efficiency. A GEMM of an [M, K] by a [K, N] matrix is cut into output tiles that the
+GPU's streaming multiprocessors (SMs) work through in waves, one tile per SM at a time. The
+tile is 256 x 128: the kernels cuBLAS picks for the large bf16 GEMMs of training are
+`ampere_bf16_s16816gemm_bf16_256x128_...` on A100 and `sm90_xmma_gemm_..._tilesize128x256x64`
+on H100 (the names profiles of Megatron-LM show; CUTLASS's default SM80 tensor-op tile is
+the same size). The last wave is on average half empty, so with w = tiles / SMs waves the SMs
+are busy w / (w + 1/2) of the time. Each tile also pays a fixed prologue and epilogue, about
+64 steps of its K loop, so the main loop runs K / (K + 64) of the time. Times the best
+efficiency measured on the GPU (`matmul_eff`, see hardware.py):
 
-    eff(M, N, K) = matmul_eff · w/(w + 0.5) · K/(K + 64),  w = M·N / (128² · SMs)
+    eff(M, N, K) = matmul_eff · w/(w + 0.5) · K/(K + 64),  w = M·N / (256·128 · SMs)
 
 A smooth function of the dimensions after tensor-parallel splits: on an A100 an [8192,
-8192] x [8192, 8192] matmul runs at 0.84 of peak, an [8192, 4096] x [4096, 512] one (a
-layer split 8 ways: 2.4 waves) at 0.70, a [512, 128] x [128, 512] one at 0.13.
+8192] x [8192, 8192] matmul runs at 0.83 of peak, an [8192, 4096] x [4096, 512] one (a
+layer split 8 ways: 1.2 waves) at 0.60, a [512, 128] x [128, 512] one at 0.07. For small
+matmuls cuBLAS switches to smaller tiles, which fill the SMs better at a lower rate per
+tile; the model keeps the large tile, so it is pessimistic there.
 A skinny matmul is also bounded by moving its operands; the two bounds combine as a soft
-maximum, (t_compute³ + t_memory³)^(1/3).
+maximum, (t_compute³ + t_memory³)^(1/3). One too skinny for the tiles (a matrix-vector
+product) may instead run untiled on the CUDA cores at 1/16 of the tensor-core peak; the
+faster of the two is taken.
 
 Attention. FlashAttention's rate is `attn_eff` at head size 128 on long sequences, lower
 for short ones (its 128-row blocks and per-block softmax rescaling are amortised over the
@@ -39,24 +46,35 @@ from functools import lru_cache
 from ember.plan import comm
 from ember.plan.cost import gated, kv_hidden, layer_matmuls
 
-TILE = 128
+TILE_M, TILE_N = 256, 128
+SIMT_RATIO = 16  # bf16 tensor-core peak over fp32 CUDA-core FMA peak: A100 312/19.5, H100 989/67
 K_OVERHEAD = 64
 WAVE_TAIL = 0.5
 ATTN_SEQ = 512
 ATTN_HEAD = 24
 BACKWARD_BYTES = 1.5
 FLASH_BACKWARD = 2.5
+KERNEL_S = 3e-6
+BACKWARD_KERNELS = 2
+LOSS_FWD_BYTES = 38
+LOSS_BWD_BYTES = 14
+LOSS_KERNELS = (9, 6)
+EMBED_KERNELS = (1, 5)
 
 
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1) -> float:
-    waves = batch * m * n / (TILE * TILE * gpu.sms)
+    waves = batch * m * n / (TILE_M * TILE_N * gpu.sms)
     return gpu.matmul_eff * waves / (waves + WAVE_TAIL) * k / (k + K_OVERHEAD)
 
 
 def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1) -> float:
-    compute = 2.0 * m * n * k * batch / (gpu.peak_bf16_flops * matmul_efficiency(m, n, k, gpu, batch))
+    flops = 2.0 * m * n * k * batch
     memory = memory_s(2.0 * batch * (m * k + k * n + m * n), gpu)
-    return (compute**3 + memory**3) ** (1 / 3)
+    tiled = flops / (gpu.peak_bf16_flops * matmul_efficiency(m, n, k, gpu, batch))
+    # A matmul too skinny to fill the SMs with tiles runs as a matrix-vector kernel on the
+    # CUDA cores instead (cuBLAS's GEMV and split-K paths): no tile tail, a lower rate.
+    untiled = flops / (gpu.peak_bf16_flops / SIMT_RATIO)
+    return min((tiled**3 + memory**3) ** (1 / 3), (untiled**3 + memory**3) ** (1 / 3))
 
 
 def memory_s(nbytes: float, gpu) -> float:
@@ -76,10 +94,11 @@ class Work:
     attention: float = 0.0
     elementwise: float = 0.0
     tp_comm: float = 0.0
+    launch: float = 0.0  # the GPU idles between kernels: KERNEL_S per compute kernel
 
     @property
     def compute(self) -> float:
-        return self.matmul + self.attention + self.elementwise
+        return self.matmul + self.attention + self.elementwise + self.launch
 
     @property
     def total(self) -> float:
@@ -87,10 +106,12 @@ class Work:
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.matmul + other.matmul, self.attention + other.attention,
-                    self.elementwise + other.elementwise, self.tp_comm + other.tp_comm)
+                    self.elementwise + other.elementwise, self.tp_comm + other.tp_comm,
+                    self.launch + other.launch)
 
     def __mul__(self, k: float) -> "Work":
-        return Work(self.matmul * k, self.attention * k, self.elementwise * k, self.tp_comm * k)
+        return Work(self.matmul * k, self.attention * k, self.elementwise * k, self.tp_comm * k,
+                    self.launch * k)
 
 
 @dataclass(frozen=True)
@@ -152,30 +173,96 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
         else:
             tp_fwd = 2 * comm.all_reduce_s(activation, group, links)
 
-    forward = Work(matmul=fwd_mm, elementwise=elem_fwd, tp_comm=tp_fwd) + core_fwd
-    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd, tp_comm=tp_fwd) + core_bwd
+    core_kernels = core_kernel_count(model, attention)
+    kernels = layer_kernel_count(model, attention)
+    forward = Work(matmul=fwd_mm, elementwise=elem_fwd, tp_comm=tp_fwd, launch=kernels * KERNEL_S) + core_fwd
+    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd, tp_comm=tp_fwd,
+                    launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
     elif recompute == "selective":
-        again = core_fwd
+        again = core_fwd + Work(launch=core_kernels * KERNEL_S)
     else:
         again = Work()
     return LayerTimes(forward, backward, again)
 
 
+def core_kernel_count(model, attention: str) -> int:
+    """Kernels of the attention core's forward: one fused kernel, or Q·Kᵀ, the fused
+    scale-mask-softmax, the dropout of the probabilities and P·V."""
+    return 1 if attention == "flash" else 3 + (1 if model.dropout else 0)
+
+
+def layer_kernel_count(model, attention: str) -> int:
+    """Compute kernels of one block's forward as fused training stacks launch them: two norms,
+    four weight matmuls (gate and up are one), the activation, two fused bias-dropout-residual
+    adds, the rotary embedding of Q and K, and the attention core. Its backward launches about
+    twice as many (input and weight gradient of every matmul, two passes per norm)."""
+    rotary = 2 if model.positions == "rotary" else 0
+    return 2 + 4 + 1 + 2 + rotary + core_kernel_count(model, attention)
+
+
 @lru_cache(maxsize=4096)
-def head_times(model, gpu, seq: int, mbs: int, tp: int, sp: bool) -> tuple[Work, Work]:
-    """The last stage's extra work: final norm, output projection and the loss (fp32
-    softmax over the vocabulary: bf16 logits in, fp32 out, max/sum passes; its backward
-    writes the bf16 gradient). The first stage's embedding lookup is a gather of
-    tokens x h, negligible beside a block, and is left out."""
+def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tuple[Work, Work]:
+    """The last stage's extra work: final norm, output projection and the loss.
+
+    The loss is a vocabulary-parallel cross-entropy over fp32 logits as Megatron-LM writes it
+    (tensor_parallel/cross_entropy.py; ember's F.cross_entropy on `logits.float()` moves about
+    as much): forward casts the bf16 logits to fp32 (2 + 4 bytes per logit), takes the max
+    (4), subtracts it (4 + 4), exponentiates in place (4 + 4), sums (4) and normalises in place
+    (4 + 4): 38 bytes; backward scales the saved softmax by the incoming gradient (4 + 4) and
+    casts it back to bf16 (4 + 2): 14 bytes. With tensor parallelism the output layer's input
+    is all-gathered (sequence parallel) and its gradient reduce-scattered, or, without SP, its
+    input gradient all-reduced; the loss all-reduces three per-token fp32 scalars (max,
+    target logit, sum of exponentials)."""
     tokens = mbs * seq
     predicted = tokens * model.predicted_fraction
     h, vocab = model.hidden, model.padded_vocab / tp
     fwd_mm = matmul_s(predicted, vocab, h, gpu)
     bwd_mm = matmul_s(predicted, h, vocab, gpu) + matmul_s(h, vocab, predicted, gpu)
     norm = memory_s(tokens * 4 * h / (tp if sp else 1), gpu)
-    loss_fwd = memory_s(predicted * vocab * (2 + 4 + 8), gpu)
-    loss_bwd = memory_s(predicted * vocab * (4 + 2), gpu)
-    return (Work(matmul=fwd_mm, elementwise=norm + loss_fwd),
-            Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * norm + loss_bwd))
+    loss_fwd = memory_s(predicted * vocab * LOSS_FWD_BYTES, gpu)
+    loss_bwd = memory_s(predicted * vocab * LOSS_BWD_BYTES, gpu)
+    comm_fwd = comm_bwd = 0.0
+    if tp > 1:
+        group = comm.place(tp, 1, links.gpus_per_node)
+        activation = tokens * h * 2
+        if sp:
+            comm_fwd = comm.all_gather_s(activation, group, links)
+            comm_bwd = comm.reduce_scatter_s(activation, group, links)
+        else:
+            comm_bwd = comm.all_reduce_s(activation, group, links)
+        comm_fwd += 3 * comm.all_reduce_s(tokens * 4, group, links)
+    kernels_fwd, kernels_bwd = LOSS_KERNELS
+    return (Work(matmul=fwd_mm, elementwise=norm + loss_fwd, tp_comm=comm_fwd, launch=kernels_fwd * KERNEL_S),
+            Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * norm + loss_bwd, tp_comm=comm_bwd,
+                 launch=kernels_bwd * KERNEL_S))
+
+
+@lru_cache(maxsize=4096)
+def embed_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tuple[Work, Work]:
+    """The first stage's extra work: the embedding lookup and its gradient.
+
+    Forward gathers a row of h per token (read and written, bf16; a dropout reads, writes and
+    keeps a mask). The vocabulary-parallel embedding then sums the ranks' partial lookups: an
+    all-reduce, or a reduce-scatter with sequence parallelism. Backward writes a dense
+    gradient of the whole local table (PyTorch's embedding backward zero-fills it and adds
+    the token rows), which then waits to be accumulated like any other weight gradient; with
+    sequence parallelism the output gradient is first all-gathered."""
+    tokens = mbs * seq
+    h, rows = model.hidden, model.padded_vocab / tp
+    split = tp if sp else 1
+    lookup = tokens * h * 4 + (tokens * h * 5 / split if model.dropout else 0.0)
+    dense = rows * h * 2 + tokens * h * 4
+    comm_fwd = comm_bwd = 0.0
+    if tp > 1:
+        group = comm.place(tp, 1, links.gpus_per_node)
+        activation = tokens * h * 2
+        if sp:
+            comm_fwd = comm.reduce_scatter_s(activation, group, links)
+            comm_bwd = comm.all_gather_s(activation, group, links)
+        else:
+            comm_fwd = comm.all_reduce_s(activation, group, links)
+    kernels_fwd, kernels_bwd = EMBED_KERNELS
+    return (Work(elementwise=memory_s(lookup, gpu), tp_comm=comm_fwd, launch=kernels_fwd * KERNEL_S),
+            Work(elementwise=memory_s(dense, gpu), tp_comm=comm_bwd, launch=kernels_bwd * KERNEL_S))
