@@ -22,14 +22,16 @@ def summary():
 
 
 def test_throughput_errors(summary):
-    # Reached: median 9.3%, max 13.2% over 18 rows, every row still optimistic (docs/planner.md).
+    # Reached: median 7.9%, max 12.5% over 18 rows, every row still optimistic (docs/planner.md).
+    # The target is a median of 10%; these bounds catch a regression from what was reached.
     assert len([r for r in summary["records"] if r["error"] is not None]) == 18
-    assert summary["median_error"] <= 0.10  # the target
-    assert summary["max_error"] <= 0.14
+    assert summary["median_error"] <= 0.085
+    assert summary["max_error"] <= 0.13
 
 
 def test_flagperf_sweep_ranking(summary):
-    # Reached 0.964: one swap, tp2pp4 against tp4pp2, which were measured 1.2% apart. Target 0.8.
+    # Reached 1.0 (target 0.8). tp2pp4 and tp4pp2, measured 1.2% apart, are predicted 0.4% apart,
+    # so a small change may swap them (0.964); anything worse is a regression.
     assert summary["spearman"] >= 0.95
     assert summary["top1"]
 

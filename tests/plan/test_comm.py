@@ -6,7 +6,7 @@ from ember.plan.comm import (Group, Links, all_gather_s, all_reduce_s, bus_bandw
                              reduce_scatter_s)
 
 LINKS = Links(gpus_per_node=8, intra_gbps=100, inter_gbps=10, intra_eff=1.0, inter_eff=1.0,
-              intra_latency_s=0.0, inter_latency_s=0.0)
+              intra_latency_s=0.0, inter_latency_s=0.0, intra_step_latency_s=0.0, inter_step_latency_s=0.0)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -35,3 +35,16 @@ def test_bandwidth_of_groups_that_span_nodes():
     assert bus_bandwidth(Group(32, 16), LINKS) == 100e9  # never faster than NVLink
     assert p2p_s(1e9, Group(2, 1), LINKS) == pytest.approx(0.1)
     assert p2p_s(1e9, Group(2, 2), LINKS) == pytest.approx(0.01)
+
+
+def test_ring_collectives_pay_a_latency_per_step():
+    """NCCL's tuning model: set-up plus one per-hop latency per ring step, 2(n-1) steps for an
+    all-reduce and n-1 for a reduce-scatter, on the network's latency once a ring spans nodes."""
+    links = Links(gpus_per_node=8, intra_gbps=100, inter_gbps=10, intra_latency_s=8e-6, inter_latency_s=9e-6,
+                  intra_step_latency_s=5e-6, inter_step_latency_s=7e-6)
+    tiny = 1.0  # one byte: latency only
+    assert all_reduce_s(tiny, Group(8, 8), links) == pytest.approx(8e-6 + 14 * 5e-6, rel=1e-6)
+    assert reduce_scatter_s(tiny, Group(8, 8), links) == pytest.approx(8e-6 + 7 * 5e-6, rel=1e-6)
+    assert all_reduce_s(tiny, Group(64, 8), links) == pytest.approx(9e-6 + 126 * 7e-6, rel=1e-6)
+    # So an 8-way all-gather of a small buffer costs several times a 2-way one.
+    assert all_gather_s(1e3, Group(8, 8), links) > 3 * all_gather_s(1e3, Group(2, 2), links)

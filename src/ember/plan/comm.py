@@ -18,6 +18,12 @@ the link rate: ~0.8 on NVLink (230-240 GB/s all-reduce bus bandwidth on DGX A100
 
 Volumes per GPU (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention): a ring
 all-reduce moves 2(n-1)/n of the buffer, reduce-scatter and all-gather (n-1)/n each.
+
+Latency. A ring collective runs in steps, each passing a chunk one hop along the ring: 2(n-1)
+for an all-reduce, n-1 for a reduce-scatter or all-gather. NCCL's tuning model charges each
+step a per-hop latency (5.7 µs on NVLink, 6.6 µs over the network, Simple protocol) on top
+of a fixed set-up, so an 8-way all-gather costs ~50 µs however small it is, and large rings
+over thousands of GPUs pay milliseconds.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ class Links:
     inter_gbps: float
     intra_eff: float = 0.8
     inter_eff: float = 0.9
-    intra_latency_s: float = 10e-6  # launch plus a few NVLink hops
-    inter_latency_s: float = 20e-6  # InfiniBand adds microseconds per hop
+    intra_latency_s: float = 10e-6  # per collective or send: launch and set-up (NCCL's base 8.4 µs)
+    inter_latency_s: float = 20e-6  # the same across nodes, where InfiniBand adds its own
+    intra_step_latency_s: float = 5.7e-6  # per step of a ring inside a node (NCCL: NVLink, Simple)
+    inter_step_latency_s: float = 6.6e-6  # per step of a ring spanning nodes (NCCL: network, Simple)
 
 
 @dataclass(frozen=True)
@@ -79,15 +87,21 @@ def bus_bandwidth(group: Group, links: Links) -> float:
     return min(intra, group.per_node * links.inter_gbps * 1e9 * links.inter_eff)
 
 
-def _latency(group: Group, links: Links) -> float:
-    return links.inter_latency_s if group.crosses_nodes else links.intra_latency_s
+def ring_latency_s(steps: int, group: Group, links: Links) -> float:
+    """The fixed cost of a ring collective of `steps` steps: set-up once, then every step
+    waits for its chunk to cross one link (NCCL's own tuning model, src/graph/tuning.cc:
+    latency = base + steps · per-hop latency, 2(n-1) steps for an all-reduce and n-1 for a
+    reduce-scatter or all-gather; a ring that spans nodes pays the network's per step)."""
+    if group.crosses_nodes:
+        return links.inter_latency_s + steps * links.inter_step_latency_s
+    return links.intra_latency_s + steps * links.intra_step_latency_s
 
 
 def all_reduce_s(nbytes: float, group: Group, links: Links) -> float:
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return _latency(group, links) + 2 * (n - 1) / n * nbytes / bus_bandwidth(group, links)
+    return ring_latency_s(2 * (n - 1), group, links) + 2 * (n - 1) / n * nbytes / bus_bandwidth(group, links)
 
 
 def reduce_scatter_s(nbytes: float, group: Group, links: Links) -> float:
@@ -95,7 +109,7 @@ def reduce_scatter_s(nbytes: float, group: Group, links: Links) -> float:
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return _latency(group, links) + (n - 1) / n * nbytes / bus_bandwidth(group, links)
+    return ring_latency_s(n - 1, group, links) + (n - 1) / n * nbytes / bus_bandwidth(group, links)
 
 
 all_gather_s = reduce_scatter_s

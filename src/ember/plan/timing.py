@@ -34,8 +34,15 @@ runs Q·Kᵀ and P·V as batched GEMMs and moves the s x s scores through HBM fo
 and its dropout.
 
 Elementwise work (norms, residual adds, activation functions, dropout, rotary embedding,
-the loss) is priced by bytes moved at `hbm_eff` of the HBM bandwidth; its backward moves
-about 1.5x the forward's bytes (it reads the saved input and the incoming gradient).
+the loss, the embedding lookup and its dense gradient) is priced by bytes moved at `hbm_eff`
+of the HBM bandwidth; its backward moves about 1.5x the forward's bytes (it reads the saved
+input and the incoming gradient).
+
+Kernel launches. Every kernel leaves the GPU idle for about KERNEL_S = 3 µs beyond its work:
+the launch itself (~1 µs when launches are queued ahead, NVIDIA's "Getting Started with CUDA
+Graphs") and the ramp-up and tail of its grid, more when PyTorch's eager dispatch (several
+µs per op) cannot run ahead of small kernels. Negligible for large layers, dominant for tiny
+ones.
 """
 
 from __future__ import annotations
