@@ -9,7 +9,8 @@ from ember.plan.comm import Links
 from ember.plan.hardware import gpu_by_name
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.models import PRESETS
-from ember.plan.predict import boundary_s, predict
+from ember.plan.memory import stage_params
+from ember.plan.predict import _stage_work, boundary_s, predict
 from ember.plan.timing import (KERNEL_S, embed_times, head_times, layer_kernel_count, layer_times,
                                matmul_efficiency, memory_s)
 
@@ -63,16 +64,17 @@ def test_output_layer_and_embedding_communicate_over_tensor_parallel_ranks(sp):
 
 def test_embedding_gradient_is_a_dense_table_on_the_first_stage():
     seq = 2048
-    _, bwd = embed_times(LLAMA, A100, LINKS, seq, 1, 1, False)
+    fwd, bwd = embed_times(LLAMA, A100, LINKS, seq, 1, 1, False)
     assert bwd.elementwise >= memory_s(LLAMA.padded_vocab * LLAMA.hidden * 2, A100)
-    # The first stage of a two-stage pipeline now carries it: remove the last stage's head
-    # from the comparison by giving both stages the same layers and checking stage 0 > layers.
+    # The first stage of a pipeline carries it: its work is its layers, the embedding, and
+    # accumulating its weight gradients, nothing else.
     cluster = make_cluster("A100-80GB", 2)
-    shape = TrainShape(seq, 16)
-    p = predict(LLAMA, cluster, shape, Layout(pp=2, mbs=1, recompute="selective"))
+    lo = Layout(pp=2, mbs=1, recompute="selective")
+    stage_fwd, stage_bwd, _ = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
     layer = layer_times(LLAMA, A100, cluster.links, seq, 1, 1, False, "selective", "flash")
-    layers_only = 16 * (layer.forward.total + layer.backward.total + layer.recompute.total)
-    assert p.step_time_s > shape.global_batch * (layers_only + bwd.elementwise)
+    layers = 16 * (layer.forward.total + layer.backward.total + layer.recompute.total)
+    accumulate = memory_s(stage_params(LLAMA, lo, 0) * 2 * cluster.stack.grad_bytes, A100)
+    assert stage_fwd.total + stage_bwd.total == pytest.approx(layers + fwd.total + bwd.total + accumulate)
 
 
 def test_kernel_launch_gaps_dominate_a_tiny_model():
