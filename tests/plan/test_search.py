@@ -1,6 +1,5 @@
-"""The search: legal, ranked, and fast enough for the largest cases."""
-
-import time
+"""The search: legal and ranked, also for the largest cases (its speed is measured by
+benchmarks/planner_accuracy.py, not here)."""
 
 from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape, check
@@ -8,11 +7,8 @@ from ember.plan.models import PRESETS
 from ember.plan.search import runners_up, search
 
 
-def test_gpt3_175b_on_1024_gpus_is_searched_quickly():
-    start = time.perf_counter()
+def test_gpt3_175b_on_1024_gpus_is_searched_and_ranked():
     result = search(PRESETS["gpt3-175b"], make_cluster("A100-80GB", 1024), TrainShape(2048, 1536))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 20, f"search took {elapsed:.1f} s"  # ~1.3 s measured on 2 CPU cores
     assert result.considered > 5000 and result.ranked
     assert all(p.fits for p in result.ranked) and not any(p.fits for p in result.too_big)
     times = [p.step_time_s for p in result.ranked]
