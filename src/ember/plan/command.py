@@ -15,7 +15,8 @@ EPILOG = """examples:
   ember plan --model gpt3-175b --gpu A100-80GB --gpus 1024 --seq-len 2048 --global-batch 1536 --explain
   ember plan --model configs/gpt2-small.toml --gpu RTX 4090 --gpus 8 --global-batch 512
   ember plan --model llama3-8b --gpu A800 --gpus 8 --seq-len 8192 --global-batch 512 \\
-      --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json"""
+      --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json
+  ember plan calibrate --out profile.json                       # measure this machine (or under torchrun)"""
 
 
 def register_plan(verbs) -> None:
@@ -40,6 +41,9 @@ def register_plan(verbs) -> None:
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(func=run_plan)
+    from ember.plan.calibrate import register_calibrate
+
+    register_calibrate(plan.add_subparsers(dest="plan_verb", metavar="calibrate"))
 
 
 def _stack(args, base):

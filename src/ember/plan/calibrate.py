@@ -1,0 +1,315 @@
+"""`ember plan calibrate`: measure the machine this runs on and write a profile file
+(`ember-plan-profile/1`, see plan/cluster.py) that `ember plan --profile` and `ember tune`
+read.
+
+What it measures:
+- matmul throughput over a few shapes (every rank at once, the slowest rank counts: that is
+  what each rank gets while all of them train). The best shape's rate is the peak the
+  planner's efficiencies apply to: on a GPU in the table the datasheet peak stays (it is the
+  MFU convention) and `matmul_eff` becomes best / datasheet; on anything else (a CPU, an
+  unknown GPU) the best measured rate becomes the peak;
+- memory bandwidth (a large copy), into `hbm_gbps` / `hbm_eff` the same way;
+- under torchrun: all-reduce, all-gather, reduce-scatter and point-to-point by message size,
+  reported as nccl-tests does (algbw = bytes / time; busbw = algbw x 2(n-1)/n for
+  all-reduce, x (n-1)/n for all-gather and reduce-scatter, with bytes the whole buffer).
+  The best all-reduce busbw sets the link the planner prices collectives on, the smallest
+  message's time its per-collective latency. With several nodes (WORLD_SIZE >
+  LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
+  ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
+
+Run alone it measures one process and leaves the links at the device's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ember.config import ConfigError
+
+MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
+MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
+                ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
+COPY_BYTES = {("cpu", True): 2**25, ("cpu", False): 2**28, ("cuda", True): 2**28, ("cuda", False): 2**30}
+MESSAGE_BYTES = {("cpu", True): [2**i for i in range(12, 23, 2)], ("cpu", False): [2**i for i in range(10, 27, 2)],
+                 ("cuda", True): [2**i for i in range(12, 27, 2)], ("cuda", False): [2**i for i in range(10, 31, 2)]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, min_time: float, max_iters: int = 10_000) -> float:
+    """Seconds per call of `fn`, after a warm-up call, repeated until `min_time` has passed."""
+    fn()
+    _sync(device)
+    iters, start = 0, time.perf_counter()
+    while True:
+        fn()
+        iters += 1
+        if iters >= max_iters or (iters & (iters - 1)) == 0:  # look at the clock at powers of two
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time or iters >= max_iters:
+                return elapsed / iters
+
+
+def _slowest(value: float, device: torch.device, op=None) -> float:
+    """The largest `value` over all ranks (for rates, pass the negated rate)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_matmuls(device: torch.device, dtype: torch.dtype, sizes, min_time: float) -> list[dict]:
+    """TFLOP/s of square and tall matmuls (M x K @ K x N), the slowest rank's."""
+    shapes = [(s, s, s) for s in sizes] + [(4 * sizes[-1], sizes[-1], sizes[-1] // 4 or 1)]
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _slowest(_timed(lambda: a @ b, device, min_time), device)
+        out.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
+        del a, b
+    return out
+
+
+def measure_copy(device: torch.device, nbytes: int, min_time: float) -> float:
+    """GB/s of a device-to-device copy (read + write), the slowest rank's."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = _slowest(_timed(lambda: dst.copy_(src), device, min_time), device)
+    return 2.0 * nbytes / seconds / 1e9
+
+
+def _collective(kind: str, nbytes: int, n: int, device: torch.device, group):
+    """A no-argument call running one `kind` collective over a buffer of `nbytes` in total."""
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+
+
+def _agreed_time(fn, device: torch.device, min_time: float, max_iters: int, group) -> float:
+    """Seconds per call of a collective `fn`, with every rank running the same number of calls
+    (a count agreed from the slowest rank's first call), the slowest rank's total counting."""
+    fn()
+    _sync(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first = _slowest(time.perf_counter() - start, device)
+    iters = max(1, min(max_iters, int(min_time / max(first, 1e-7))))
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return _slowest((time.perf_counter() - start) / iters, device)
+
+
+def measure_collectives(sizes, device: torch.device, min_time: float, group=None) -> dict[str, list[dict]]:
+    """busbw by message size for all-reduce, all-gather and reduce-scatter over `group`."""
+    n = dist.get_world_size(group)
+    out: dict[str, list[dict]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # reduce_scatter_tensor's rename in newer PyTorch
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            rows = []
+            for nbytes in sizes:
+                seconds = _agreed_time(_collective(kind, nbytes, n, device, group), device, min_time, 1000, group)
+                algbw = nbytes / seconds / 1e9
+                rows.append({"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw,
+                             "busbw_gbps": algbw * BUS_FACTOR[kind](n)})
+            out[kind] = rows
+    return out
+
+
+def measure_p2p(sizes, device: torch.device, peer: int, min_time: float) -> list[dict]:
+    """One-way send bandwidth between rank 0 and `peer` (half a ping-pong); the other ranks wait."""
+    rank, rows = dist.get_rank(), []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+
+        def ping_pong():
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            elif rank == peer:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        seconds = _agreed_time(ping_pong, device, min_time, 1000, None) / 2
+        rows.append({"bytes": nbytes, "time_s": seconds, "busbw_gbps": nbytes / seconds / 1e9})
+    return rows
+
+
+def _best_bus(rows: list[dict]) -> float:
+    return max(row["busbw_gbps"] for row in rows)
+
+
+def machine_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 8.0
+
+
+def build_profile(device: torch.device, dtype_name: str, matmuls: list[dict], copy_gbps: float,
+                  collectives: dict, world: int, local_world: int) -> dict:
+    """The profile file's content from the measurements (see the module docstring)."""
+    from ember.plan.hardware import GPU, find_gpu
+
+    best = max(matmuls, key=lambda row: row["tflops"])
+    known = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if known is not None:
+        gpu = {"name": known.name, "matmul_eff": round(best["tflops"] * 1e12 / known.peak_bf16_flops, 4),
+               "hbm_eff": round(copy_gbps / known.hbm_gbps, 4)}
+        base = known
+    else:
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            name, memory, sms = torch.cuda.get_device_name(device), props.total_memory / 2**30, props.multi_processor_count
+        else:  # the processes of one machine share its memory
+            name, memory, sms = "cpu (calibrated)", machine_memory_gib() / local_world, torch.get_num_threads()
+        gpu = {"name": name, "peak_bf16_flops": best["tflops"] * 1e12, "memory_gib": round(memory, 2),
+               "sms": sms, "hbm_gbps": round(copy_gbps, 2), "matmul_eff": 1.0, "hbm_eff": 1.0}
+        base = GPU(name, gpu["peak_bf16_flops"], memory, "$^")
+    links = {"gpus_per_node": local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1),
+             "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
+    intra, inter = collectives.get("intra"), collectives.get("inter")
+    if intra:
+        _set_link(links, "intra", _best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
+    if inter:
+        per_gpu = _best_bus(inter["all_reduce"]) / local_world
+        _set_link(links, "inter", per_gpu, inter["all_reduce"][0]["time_s"], known)
+    if known is None:
+        gpu["intra_gbps"], gpu["inter_gbps"] = links["intra_gbps"], links["inter_gbps"]
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    source = (f"calibrated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {socket.gethostname()} "
+              f"({processes}, {dtype_name})")
+    measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
+                "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps, **collectives}
+    return {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+
+
+def _set_link(links: dict, which: str, busbw_gbps: float, latency_s: float, known) -> None:
+    """A measured bus bandwidth: a table GPU keeps its link rate and gets the measured share
+    of it; anything else gets the measured rate at full efficiency."""
+    if known is not None:
+        links[f"{which}_eff"] = round(busbw_gbps / links[f"{which}_gbps"], 4)
+    else:
+        links[f"{which}_gbps"], links[f"{which}_eff"] = round(busbw_gbps, 4), 1.0
+    links[f"{which}_latency_s"] = latency_s
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _collective_sections(device: torch.device, quick: bool, world: int, local_world: int) -> dict:
+    sizes, min_time = MESSAGE_BYTES[(device.type, quick)], MIN_TIME[quick]
+    rank = dist.get_rank()
+    out: dict = {}
+    if world > local_world:
+        nodes = [list(range(i, i + local_world)) for i in range(0, world, local_world)]
+        groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
+        out["intra"] = measure_collectives(sizes, device, min_time, groups[rank // local_world])
+        out["inter"] = measure_collectives(sizes, device, min_time)
+        out["inter"]["p2p"] = measure_p2p(sizes, device, local_world, min_time)
+    else:
+        out["intra"] = measure_collectives(sizes, device, min_time)
+    if local_world > 1:
+        out["intra"]["p2p"] = measure_p2p(sizes, device, 1, min_time)
+    return out
+
+
+def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict | None:
+    """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world > 1 and world % local_world:
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}.")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"--dtype must be bf16 or fp32, not {dtype!r}.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    started = world > 1 and not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        quick_min = MIN_TIME[quick]
+        matmuls = measure_matmuls(device, torch_dtype, MATMUL_SIZES[(device.type, quick)], quick_min)
+        copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)
+        collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        profile = build_profile(device, dtype, matmuls, copy_gbps, collectives, world, local_world)
+        import json
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out, json.dumps(profile, indent=2) + "\n")
+        return profile
+    finally:
+        if started:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """What a user reads after a calibration: the best matmul and each link's bus bandwidth."""
+    m = profile["measured"]
+    lines = [f"{profile['gpu']['name']}: best matmul {m['best_matmul_tflops'] * 1e3:,.1f} GFLOP/s ({m['dtype']}; "
+             + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['tflops'] * 1e3:,.1f}" for r in m["matmul"])
+             + f"), copy {m['copy_gbps']:,.1f} GB/s"]
+    for where in ("intra", "inter"):
+        if where in m:
+            parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]
+            lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
+                         + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
+    return lines
+
+
+def run_calibrate(args) -> int:
+    out = Path(args.out)
+    if out.exists() and out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
+    profile = calibrate(out, args.dtype, args.quick)
+    if profile is not None:
+        print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
+    return 0
+
+
+def register_calibrate(plan_verbs) -> None:
+    cal = plan_verbs.add_parser("calibrate", help="measure this machine and write a profile file",
+                                description="Measure matmul throughput and (under torchrun) collective "
+                                            "bandwidth, and write a profile for `ember plan --profile`.")
+    cal.add_argument("--out", required=True, help="profile file to write (JSON)")
+    cal.add_argument("--dtype", choices=("bf16", "fp32"), help="matmul precision (default bf16 on GPUs, fp32 on CPUs)")
+    cal.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings (seconds)")
+    cal.set_defaults(func=run_calibrate)
