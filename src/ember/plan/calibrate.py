@@ -174,28 +174,37 @@ def machine_memory_gib() -> float:
         return 8.0
 
 
-def build_profile(device: torch.device, dtype_name: str, matmuls: list[dict], copy_gbps: float,
+def describe_device(device: torch.device, local_world: int) -> tuple[object, dict]:
+    """(the GPU table's row or None, and name / memory_gib / sms of what was measured)."""
+    from ember.plan.hardware import find_gpu
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = torch.cuda.get_device_name(device)
+        return find_gpu(name), {"name": name, "memory_gib": props.total_memory / 2**30,
+                                "sms": props.multi_processor_count}
+    # The processes of one machine share its memory and its cores.
+    return None, {"name": "cpu (calibrated)", "memory_gib": machine_memory_gib() / local_world,
+                  "sms": torch.get_num_threads()}
+
+
+def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
                   collectives: dict, world: int, local_world: int) -> dict:
-    """The profile file's content from the measurements (see the module docstring)."""
-    from ember.plan.hardware import GPU, find_gpu
+    """The profile file's content from the measurements (see the module docstring). `known`
+    is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
+    from ember.plan.hardware import GPU
 
     best = max(matmuls, key=lambda row: row["tflops"])
-    known = find_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if known is not None:
         gpu = {"name": known.name, "matmul_eff": round(best["tflops"] * 1e12 / known.peak_bf16_flops, 4),
                "hbm_eff": round(copy_gbps / known.hbm_gbps, 4)}
         base = known
     else:
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            name, memory, sms = torch.cuda.get_device_name(device), props.total_memory / 2**30, props.multi_processor_count
-        else:  # the processes of one machine share its memory
-            name, memory, sms = "cpu (calibrated)", machine_memory_gib() / local_world, torch.get_num_threads()
-        gpu = {"name": name, "peak_bf16_flops": best["tflops"] * 1e12, "memory_gib": round(memory, 2),
-               "sms": sms, "hbm_gbps": round(copy_gbps, 2), "matmul_eff": 1.0, "hbm_eff": 1.0}
-        base = GPU(name, gpu["peak_bf16_flops"], memory, "$^")
-    links = {"gpus_per_node": local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1),
-             "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
+        gpu = {"name": device["name"], "peak_bf16_flops": best["tflops"] * 1e12,
+               "memory_gib": round(device["memory_gib"], 2), "sms": device["sms"], "hbm_gbps": round(copy_gbps, 2),
+               "matmul_eff": 1.0, "hbm_eff": 1.0}
+        base = GPU(device["name"], gpu["peak_bf16_flops"], device["memory_gib"], "$^")
+    links = {"gpus_per_node": local_world, "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
     intra, inter = collectives.get("intra"), collectives.get("inter")
     if intra:
         _set_link(links, "intra", _best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
@@ -269,7 +278,10 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
-        profile = build_profile(device, dtype, matmuls, copy_gbps, collectives, world, local_world)
+        # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
+        per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
+        known, info = describe_device(device, per_node)
+        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node)
         import json
 
         out.parent.mkdir(parents=True, exist_ok=True)
