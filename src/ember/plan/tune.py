@@ -229,7 +229,9 @@ class Trial:
                 "seconds": self.seconds, "run_dir": str(self.run_dir), "command": self.command}
 
 
-def run_trial(trial: Trial, timeout: float, warmup: int) -> Trial:
+def run_trial(trial: Trial, timeout: float, warmup: int, host_memory: bool = True) -> Trial:
+    """Run one trial and fill in what it measured. `host_memory`: the device is the CPU, so
+    the peak resident set stands in for device memory where the trainer does not report it."""
     log_path = trial.run_dir.with_name(trial.run_dir.name + ".log")
     start = time.monotonic()
     status, timed_out, rss = run_process(trial.command, log_path, timeout)
@@ -238,7 +240,7 @@ def run_trial(trial: Trial, timeout: float, warmup: int) -> Trial:
     trial.tokens_per_s, trial.measured_steps = result["tokens_per_s"], result["measured_steps"]
     if result["peak_memory_gib"] is not None:
         trial.peak_memory_gib, trial.memory_source = result["peak_memory_gib"], "trainer"
-    elif rss is not None:
+    elif rss is not None and host_memory:
         trial.peak_memory_gib, trial.memory_source = rss, "rss"
     if status == 0 and not timed_out and trial.tokens_per_s is not None:
         trial.status = "finished"

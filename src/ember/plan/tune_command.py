@@ -81,15 +81,18 @@ def plan_trials(args):
 
 
 def run_tune(args) -> int:
+    import torch
+
     from ember.plan.report import print_text
     from ember.plan.tune import best_recipe, run_trial, write_atomic
 
     config, cluster, model, shape, result, trials, passed = plan_trials(args)
     out = Path(args.out)
     console = Console() if Console().is_terminal else Console(width=140)
+    skipped = f" ({passed} better-ranked need the parallel trainer and were passed over)" if passed else ""
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
-                        f"{len(result.ranked):,} of {result.considered:,} layouts fit; trying the top {len(trials)}"
-                        + (f" ({passed} better-ranked need the parallel trainer and were passed over)" if passed else ""))
+                        f"{len(result.ranked):,} of {result.considered:,} layouts fit; "
+                        f"trying the top {len(trials)}{skipped}")
     if args.dry_run:
         for t in trials:
             print_text(console, f"trial {t.index}: {t.prediction.layout.text()}\n  " + shlex.join(t.command))
@@ -99,7 +102,7 @@ def run_tune(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for t in trials:
         print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
-        run_trial(t, args.timeout, args.warmup)
+        run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
         done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
         print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
     finished = sorted((t for t in trials if t.status == "finished"), key=lambda t: -t.tokens_per_s)
@@ -113,7 +116,8 @@ def run_tune(args) -> int:
         write_atomic(out / "best.toml", f"# ember tune: {best.prediction.layout.text()}, "
                      f"{best.tokens_per_s:,.0f} tokens/s measured on {cluster.describe()}\n"
                      + best_recipe(args.config, args.set, best.settings))
-        report["best"] = {"trial": best.index, "layout": best.prediction.layout.text(), "recipe": str(out / "best.toml")}
+        report["best"] = {"trial": best.index, "layout": best.prediction.layout.text(),
+                          "recipe": str(out / "best.toml")}
     write_atomic(out / "tune.json", json.dumps(report, indent=2) + "\n")
     if not finished:
         print_text(console, f"no trial finished; see the logs in {out} (wrote {out / 'tune.json'})")
