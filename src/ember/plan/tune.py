@@ -174,34 +174,47 @@ def run_process(cmd: list[str], log_path: Path, timeout: float) -> tuple[int | N
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     status, usage, timed_out = None, None, False
-    while status is None:
-        if hasattr(os, "wait4"):
-            pid, raw, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                status = os.waitstatus_to_exitcode(raw)
-                proc.returncode = status  # reaped here; keep Popen from waiting again
+    try:
+        while status is None:
+            if hasattr(os, "wait4"):
+                pid, raw, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    status = os.waitstatus_to_exitcode(raw)
+                    proc.returncode = status  # reaped here; keep Popen from waiting again
+                    break
+            else:
+                status = proc.poll()
+                if status is not None:
+                    break
+            if time.monotonic() > deadline:
+                timed_out = True
+                status = _stop(proc)
                 break
-        else:
-            status = proc.poll()
-            if status is not None:
-                break
-        if time.monotonic() > deadline:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            status = proc.returncode
-            break
-        time.sleep(0.1)
+            time.sleep(0.1)
+    except BaseException:  # Ctrl-C: the trial has its own session, so end it here
+        _stop(proc)
+        raise
     rss = None
     if usage is not None and usage.ru_maxrss:
         # Linux reports kibibytes, macOS bytes; this counts the largest process, which under
         # torchrun is one worker: the per-rank figure the planner predicts.
         rss = usage.ru_maxrss / (GIB if sys.platform == "darwin" else 2**20)
     return status, timed_out, rss
+
+
+def _stop(proc: subprocess.Popen) -> int | None:
+    """End a trial's whole process group (torchrun and its workers): SIGTERM lets the
+    trainer stop cleanly; whatever is left after 10 s is killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.wait()
 
 
 @dataclass
