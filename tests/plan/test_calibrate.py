@@ -5,15 +5,17 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from conftest import REPO
 from ember.cli import main
 from ember.plan import comm
-from ember.plan.calibrate import BUS_FACTOR, build_profile
+from ember.plan.calibrate import BUS_FACTOR, attention_efficiency, build_profile
 from ember.plan.cluster import make_cluster
 from ember.plan.hardware import gpu_by_name
+from ember.plan.timing import flash_efficiency
 
 
 def _tiny_recipe(tmp_path):
@@ -38,6 +40,7 @@ def test_alone_measures_matmuls_and_plan_accepts_the_profile(tmp_path, capsys, m
     # The best shape is the peak the planner's efficiencies apply to.
     assert profile["gpu"]["peak_bf16_flops"] == pytest.approx(max(rates) * 1e12)
     assert measured["copy_gbps"] > 0 and "intra" not in measured  # one process: no collectives
+    assert measured["attention"]["tflops"] > 0 and profile["gpu"]["attn_eff"] > 0
     assert not list(tmp_path.glob("*.tmp"))
 
     assert main(["plan", "--profile", str(out), "--model", str(_tiny_recipe(tmp_path)), "--gpus", "1",
@@ -98,6 +101,17 @@ def _write(profile, folder):
     path = folder / "profile.json"
     path.write_text(json.dumps(profile))
     return path
+
+
+def test_attention_efficiency_reproduces_the_measured_rate_in_the_planner():
+    h100 = gpu_by_name("H100")
+    measured = {"batch": 8, "heads": 16, "seq": 4096, "head_dim": 128, "tflops": 380.0}
+    eff = attention_efficiency(measured, h100)
+    planner = replace(h100, attn_eff=eff)
+    assert h100.peak_bf16_flops * flash_efficiency(4096, 128, planner) == pytest.approx(380e12, rel=1e-3)
+    profile = build_profile(h100, {"name": "H100", "memory_gib": 80, "sms": 132}, "bf16",
+                            [{"m": 8192, "n": 8192, "k": 8192, "tflops": 700.0}], 2680.0, {}, 1, 8, measured)
+    assert profile["gpu"]["attn_eff"] == eff and profile["measured"]["attention"] == measured
 
 
 def test_an_unknown_device_takes_the_measured_rates(tmp_path):

@@ -38,6 +38,9 @@ MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, ful
 MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
                 ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
 COPY_BYTES = {("cpu", True): 2**25, ("cpu", False): 2**28, ("cuda", True): 2**28, ("cuda", False): 2**30}
+# Causal attention (batch, heads, sequence, head size), forward and backward.
+ATTENTION = {("cpu", True): (1, 4, 256, 64), ("cpu", False): (2, 8, 512, 64),
+             ("cuda", True): (4, 16, 1024, 128), ("cuda", False): (8, 16, 4096, 128)}
 MESSAGE_BYTES = {("cpu", True): [2**i for i in range(12, 23, 2)], ("cpu", False): [2**i for i in range(10, 27, 2)],
                  ("cuda", True): [2**i for i in range(12, 27, 2)], ("cuda", False): [2**i for i in range(10, 31, 2)]}
 
@@ -82,6 +85,23 @@ def measure_matmuls(device: torch.device, dtype: torch.dtype, sizes, min_time: f
         out.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
         del a, b
     return out
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, shape, min_time: float) -> dict:
+    """Causal scaled-dot-product attention (PyTorch SDPA, what ember's model runs), forward
+    and backward, in TFLOP/s counted the planner's way: 4·b·h·s²·d/2 forward, 2.5x that
+    backward."""
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    seconds = _slowest(_timed(step, device, min_time), device)
+    flops = 3.5 * 4.0 * b * h * s * s * d * 0.5
+    return {"batch": b, "heads": h, "seq": s, "head_dim": d, "tflops": flops / seconds / 1e12}
 
 
 def measure_copy(device: torch.device, nbytes: int, min_time: float) -> float:
@@ -189,7 +209,7 @@ def describe_device(device: torch.device, local_world: int) -> tuple[object, dic
 
 
 def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
-                  collectives: dict, world: int, local_world: int) -> dict:
+                  collectives: dict, world: int, local_world: int, attention: dict | None = None) -> dict:
     """The profile file's content from the measurements (see the module docstring). `known`
     is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
     from ember.plan.hardware import GPU
@@ -204,6 +224,8 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
                "memory_gib": round(device["memory_gib"], 2), "sms": device["sms"], "hbm_gbps": round(copy_gbps, 2),
                "matmul_eff": 1.0, "hbm_eff": 1.0}
         base = GPU(device["name"], gpu["peak_bf16_flops"], device["memory_gib"], "$^")
+    if attention is not None:
+        gpu["attn_eff"] = attention_efficiency(attention, base)
     links = {"gpus_per_node": local_world, "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
     intra, inter = collectives.get("intra"), collectives.get("inter")
     if intra:
@@ -217,8 +239,20 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
     source = (f"calibrated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {socket.gethostname()} "
               f"({processes}, {dtype_name})")
     measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
-                "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps, **collectives}
+                "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps,
+                "attention": attention, **collectives}
     return {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+
+
+def attention_efficiency(attention: dict, gpu) -> float:
+    """The `attn_eff` under which the planner's flash-attention rate (plan/timing.py scales it
+    by sequence and head size) equals the measured one at the measured shape."""
+    from dataclasses import replace
+
+    from ember.plan.timing import flash_efficiency
+
+    shape_factor = flash_efficiency(attention["seq"], attention["head_dim"], replace(gpu, attn_eff=1.0))
+    return round(attention["tflops"] * 1e12 / gpu.peak_bf16_flops / shape_factor, 4)
 
 
 def _set_link(links: dict, which: str, busbw_gbps: float, latency_s: float, known) -> None:
@@ -275,13 +309,14 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         quick_min = MIN_TIME[quick]
         matmuls = measure_matmuls(device, torch_dtype, MATMUL_SIZES[(device.type, quick)], quick_min)
         copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)
+        attention = measure_attention(device, torch_dtype, ATTENTION[(device.type, quick)], quick_min)
         collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
         per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
         known, info = describe_device(device, per_node)
-        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node)
+        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
         import json
 
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -299,6 +334,11 @@ def summary_lines(profile: dict) -> list[str]:
     lines = [f"{profile['gpu']['name']}: best matmul {m['best_matmul_tflops'] * 1e3:,.1f} GFLOP/s ({m['dtype']}; "
              + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['tflops'] * 1e3:,.1f}" for r in m["matmul"])
              + f"), copy {m['copy_gbps']:,.1f} GB/s"]
+    if m.get("attention"):
+        a = m["attention"]
+        lines.append(f"causal attention (batch {a['batch']}, {a['heads']} heads, sequence {a['seq']}, head size "
+                     f"{a['head_dim']}) {a['tflops'] * 1e3:,.1f} GFLOP/s forward+backward: "
+                     f"attn_eff {profile['gpu']['attn_eff']:.3f}")
     for where in ("intra", "inter"):
         if where in m:
             parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]
