@@ -22,6 +22,7 @@ Run alone it measures one process and leaves the links at the device's defaults.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -65,12 +66,12 @@ def _timed(fn, device: torch.device, min_time: float, max_iters: int = 10_000) -
                 return elapsed / iters
 
 
-def _slowest(value: float, device: torch.device, op=None) -> float:
-    """The largest `value` over all ranks (for rates, pass the negated rate)."""
+def _slowest(value: float, device: torch.device) -> float:
+    """The largest `value` (seconds) over all ranks."""
     if not dist.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
@@ -317,8 +318,6 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
         known, info = describe_device(device, per_node)
         profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
-        import json
-
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(out, json.dumps(profile, indent=2) + "\n")
         return profile
@@ -345,23 +344,3 @@ def summary_lines(profile: dict) -> list[str]:
             lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
                          + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
     return lines
-
-
-def run_calibrate(args) -> int:
-    out = Path(args.out)
-    if out.exists() and out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
-    profile = calibrate(out, args.dtype, args.quick)
-    if profile is not None:
-        print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
-    return 0
-
-
-def register_calibrate(plan_verbs) -> None:
-    cal = plan_verbs.add_parser("calibrate", help="measure this machine and write a profile file",
-                                description="Measure matmul throughput and (under torchrun) collective "
-                                            "bandwidth, and write a profile for `ember plan --profile`.")
-    cal.add_argument("--out", required=True, help="profile file to write (JSON)")
-    cal.add_argument("--dtype", choices=("bf16", "fp32"), help="matmul precision (default bf16 on GPUs, fp32 on CPUs)")
-    cal.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings (seconds)")
-    cal.set_defaults(func=run_calibrate)
