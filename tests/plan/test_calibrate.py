@@ -129,3 +129,37 @@ def test_an_unknown_device_takes_the_measured_rates(tmp_path):
 def test_out_must_be_a_file(tmp_path, capsys):
     assert main(["plan", "calibrate", "--out", str(tmp_path), "--quick"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_two_nodes_of_two_measure_intra_and_inter(tmp_path):
+    # Four ranks as two "nodes" of two (LOCAL_WORLD_SIZE < WORLD_SIZE), started by hand
+    # the way torchrun would on two machines.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "2x2.json"
+    procs = []
+    for rank in range(4):
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "ember", "plan", "calibrate", "--out", str(out),
+                                       "--quick"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
+    profile = json.loads(out.read_text())
+    measured, links = profile["measured"], profile["links"]
+    assert set(measured["intra"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert set(measured["inter"]) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for row in measured["inter"]["all_reduce"]:  # a 4-rank ring
+        assert row["busbw_gbps"] == pytest.approx(row["bytes"] / row["time_s"] / 1e9 * 1.5)
+    inter = max(row["busbw_gbps"] for row in measured["inter"]["all_reduce"])
+    assert links["gpus_per_node"] == 2 and links["inter_gbps"] == pytest.approx(inter / 2, rel=1e-3)
+    cluster = make_cluster(None, 4, profile=out)
+    assert cluster.nodes == 2
+    # The planner's 2-node ring (2 ranks per node, one NIC each) is priced at the measured busbw.
+    expected = min(links["intra_gbps"], inter) * 1e9
+    assert comm.bus_bandwidth(comm.Group(4, 2), cluster.links) == pytest.approx(expected, rel=1e-3)

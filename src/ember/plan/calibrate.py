@@ -279,7 +279,8 @@ def _collective_sections(device: torch.device, quick: bool, world: int, local_wo
     if world > local_world:
         nodes = [list(range(i, i + local_world)) for i in range(0, world, local_world)]
         groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
-        out["intra"] = measure_collectives(sizes, device, min_time, groups[rank // local_world])
+        if local_world > 1:  # one GPU per node has no intra-node link to measure
+            out["intra"] = measure_collectives(sizes, device, min_time, groups[rank // local_world])
         out["inter"] = measure_collectives(sizes, device, min_time)
         out["inter"]["p2p"] = measure_p2p(sizes, device, local_world, min_time)
     else:
