@@ -105,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.eval.command import register_eval
     from ember.export.command import register_export
     from ember.plan.command import register_plan
+    from ember.plan.tune_command import register_tune
     register_eval(verbs)
     register_export(verbs)
     register_plan(verbs)
+    register_tune(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")
     report.add_argument("run_dir")

@@ -16,7 +16,9 @@ or let a calibration run write measured values, and pass it back with `--profile
 
 Every field but `gpu.name` may be left out: a known GPU starts from its table entry, links
 from the GPU's typical node, the stack from the defaults below. The number of GPUs is not
-part of a profile: one profile describes every size of the same cluster.
+part of a profile: one profile describes every size of the same cluster. `ember plan
+calibrate` (plan/calibrate.py) adds a "measured" section with the raw measurements (matmul
+rates by shape, bus bandwidth by message size); the planner reads only gpu, links and stack.
 """
 
 from __future__ import annotations

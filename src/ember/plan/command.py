@@ -15,7 +15,8 @@ EPILOG = """examples:
   ember plan --model gpt3-175b --gpu A100-80GB --gpus 1024 --seq-len 2048 --global-batch 1536 --explain
   ember plan --model configs/gpt2-small.toml --gpu RTX 4090 --gpus 8 --global-batch 512
   ember plan --model llama3-8b --gpu A800 --gpus 8 --seq-len 8192 --global-batch 512 \\
-      --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json"""
+      --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json
+  ember plan calibrate --out profile.json                       # measure this machine (or under torchrun)"""
 
 
 def register_plan(verbs) -> None:
@@ -40,6 +41,15 @@ def register_plan(verbs) -> None:
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(func=run_plan)
+    calibrate = plan.add_subparsers(dest="plan_verb", metavar="calibrate").add_parser(
+        "calibrate", help="measure this machine and write a profile file",
+        description="Measure matmul and attention throughput, memory bandwidth and (under torchrun) collective "
+                    "bandwidth, and write a profile for `ember plan --profile` and `ember tune` (docs/tuning.md).")
+    calibrate.add_argument("--out", required=True, help="profile file to write (JSON)")
+    calibrate.add_argument("--dtype", choices=("bf16", "fp32"),
+                           help="matmul precision (default bf16 on GPUs, fp32 on CPUs)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings")
+    calibrate.set_defaults(func=run_calibrate)
 
 
 def _stack(args, base):
@@ -143,4 +153,18 @@ def run_plan(args) -> int:
     report.print_text(console, "\ntrain with the best layout:\n" + command)
     for note in report.command_notes(model, recipe):
         report.print_text(console, "note: " + note)
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from pathlib import Path
+
+    from ember.plan.calibrate import calibrate, summary_lines
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
+    profile = calibrate(out, args.dtype, args.quick)
+    if profile is not None:  # rank 0
+        print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0

@@ -1,0 +1,347 @@
+"""`ember plan calibrate`: measure the machine this runs on and write a profile file
+(`ember-plan-profile/1`, see plan/cluster.py) that `ember plan --profile` and `ember tune`
+read.
+
+What it measures:
+- matmul throughput over a few shapes (every rank at once, the slowest rank counts: that is
+  what each rank gets while all of them train). The best shape's rate is the peak the
+  planner's efficiencies apply to: on a GPU in the table the datasheet peak stays (it is the
+  MFU convention) and `matmul_eff` becomes best / datasheet; on anything else (a CPU, an
+  unknown GPU) the best measured rate becomes the peak;
+- memory bandwidth (a large copy), into `hbm_gbps` / `hbm_eff` the same way;
+- under torchrun: all-reduce, all-gather, reduce-scatter and point-to-point by message size,
+  reported as nccl-tests does (algbw = bytes / time; busbw = algbw x 2(n-1)/n for
+  all-reduce, x (n-1)/n for all-gather and reduce-scatter, with bytes the whole buffer).
+  The best all-reduce busbw sets the link the planner prices collectives on, the smallest
+  message's time its per-collective latency. With several nodes (WORLD_SIZE >
+  LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
+  ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
+
+Run alone it measures one process and leaves the links at the device's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ember.config import ConfigError
+
+MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
+MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
+                ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
+COPY_BYTES = {("cpu", True): 2**25, ("cpu", False): 2**28, ("cuda", True): 2**28, ("cuda", False): 2**30}
+# Causal attention (batch, heads, sequence, head size), forward and backward.
+ATTENTION = {("cpu", True): (1, 4, 256, 64), ("cpu", False): (2, 8, 512, 64),
+             ("cuda", True): (4, 16, 1024, 128), ("cuda", False): (8, 16, 4096, 128)}
+MESSAGE_BYTES = {("cpu", True): [2**i for i in range(12, 23, 2)], ("cpu", False): [2**i for i in range(10, 27, 2)],
+                 ("cuda", True): [2**i for i in range(12, 27, 2)], ("cuda", False): [2**i for i in range(10, 31, 2)]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, min_time: float, max_iters: int = 10_000) -> float:
+    """Seconds per call of `fn`, after a warm-up call, repeated until `min_time` has passed."""
+    fn()
+    _sync(device)
+    iters, start = 0, time.perf_counter()
+    while True:
+        fn()
+        iters += 1
+        if iters >= max_iters or (iters & (iters - 1)) == 0:  # look at the clock at powers of two
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time or iters >= max_iters:
+                return elapsed / iters
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    """The largest `value` (seconds) over all ranks."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_matmuls(device: torch.device, dtype: torch.dtype, sizes, min_time: float) -> list[dict]:
+    """TFLOP/s of square and tall matmuls (M x K @ K x N), the slowest rank's."""
+    shapes = [(s, s, s) for s in sizes] + [(4 * sizes[-1], sizes[-1], sizes[-1] // 4 or 1)]
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _slowest(_timed(lambda: a @ b, device, min_time), device)
+        out.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
+        del a, b
+    return out
+
+
+def measure_attention(device: torch.device, dtype: torch.dtype, shape, min_time: float) -> dict:
+    """Causal scaled-dot-product attention (PyTorch SDPA, what ember's model runs), forward
+    and backward, in TFLOP/s counted the planner's way: 4·b·h·s²·d/2 forward, 2.5x that
+    backward."""
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    seconds = _slowest(_timed(step, device, min_time), device)
+    flops = 3.5 * 4.0 * b * h * s * s * d * 0.5
+    return {"batch": b, "heads": h, "seq": s, "head_dim": d, "tflops": flops / seconds / 1e12}
+
+
+def measure_copy(device: torch.device, nbytes: int, min_time: float) -> float:
+    """GB/s of a device-to-device copy (read + write), the slowest rank's."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = _slowest(_timed(lambda: dst.copy_(src), device, min_time), device)
+    return 2.0 * nbytes / seconds / 1e9
+
+
+def _collective(kind: str, nbytes: int, n: int, device: torch.device, group):
+    """A no-argument call running one `kind` collective over a buffer of `nbytes` in total."""
+    numel = max(n, nbytes // 4 // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+
+
+def _agreed_time(fn, device: torch.device, min_time: float, max_iters: int, group) -> float:
+    """Seconds per call of a collective `fn`, with every rank running the same number of calls
+    (a count agreed from the slowest rank's first call), the slowest rank's total counting."""
+    fn()
+    _sync(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first = _slowest(time.perf_counter() - start, device)
+    iters = max(1, min(max_iters, int(min_time / max(first, 1e-7))))
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return _slowest((time.perf_counter() - start) / iters, device)
+
+
+def measure_collectives(sizes, device: torch.device, min_time: float, group=None) -> dict[str, list[dict]]:
+    """busbw by message size for all-reduce, all-gather and reduce-scatter over `group`."""
+    n = dist.get_world_size(group)
+    out: dict[str, list[dict]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # reduce_scatter_tensor's rename in newer PyTorch
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            rows = []
+            for nbytes in sizes:
+                seconds = _agreed_time(_collective(kind, nbytes, n, device, group), device, min_time, 1000, group)
+                algbw = nbytes / seconds / 1e9
+                rows.append({"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw,
+                             "busbw_gbps": algbw * BUS_FACTOR[kind](n)})
+            out[kind] = rows
+    return out
+
+
+def measure_p2p(sizes, device: torch.device, peer: int, min_time: float) -> list[dict]:
+    """One-way send bandwidth between rank 0 and `peer` (half a ping-pong); the other ranks wait."""
+    rank, rows = dist.get_rank(), []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+
+        def ping_pong():
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            elif rank == peer:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        seconds = _agreed_time(ping_pong, device, min_time, 1000, None) / 2
+        rows.append({"bytes": nbytes, "time_s": seconds, "busbw_gbps": nbytes / seconds / 1e9})
+    return rows
+
+
+def _best_bus(rows: list[dict]) -> float:
+    return max(row["busbw_gbps"] for row in rows)
+
+
+def machine_memory_gib() -> float:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 8.0
+
+
+def describe_device(device: torch.device, local_world: int) -> tuple[object, dict]:
+    """(the GPU table's row or None, and name / memory_gib / sms of what was measured)."""
+    from ember.plan.hardware import find_gpu
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = torch.cuda.get_device_name(device)
+        return find_gpu(name), {"name": name, "memory_gib": props.total_memory / 2**30,
+                                "sms": props.multi_processor_count}
+    # The processes of one machine share its memory and its cores.
+    return None, {"name": "cpu (calibrated)", "memory_gib": machine_memory_gib() / local_world,
+                  "sms": torch.get_num_threads()}
+
+
+def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
+                  collectives: dict, world: int, local_world: int, attention: dict | None = None) -> dict:
+    """The profile file's content from the measurements (see the module docstring). `known`
+    is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
+    from ember.plan.hardware import GPU
+
+    best = max(matmuls, key=lambda row: row["tflops"])
+    if known is not None:
+        gpu = {"name": known.name, "matmul_eff": round(best["tflops"] * 1e12 / known.peak_bf16_flops, 4),
+               "hbm_eff": round(copy_gbps / known.hbm_gbps, 4)}
+        base = known
+    else:
+        gpu = {"name": device["name"], "peak_bf16_flops": best["tflops"] * 1e12,
+               "memory_gib": round(device["memory_gib"], 2), "sms": device["sms"], "hbm_gbps": round(copy_gbps, 2),
+               "matmul_eff": 1.0, "hbm_eff": 1.0}
+        base = GPU(device["name"], gpu["peak_bf16_flops"], device["memory_gib"], "$^")
+    if attention is not None:
+        gpu["attn_eff"] = attention_efficiency(attention, base)
+    links = {"gpus_per_node": local_world, "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
+    intra, inter = collectives.get("intra"), collectives.get("inter")
+    if intra:
+        _set_link(links, "intra", _best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
+    if inter:
+        per_gpu = _best_bus(inter["all_reduce"]) / local_world
+        _set_link(links, "inter", per_gpu, inter["all_reduce"][0]["time_s"], known)
+    if known is None:
+        gpu["intra_gbps"], gpu["inter_gbps"] = links["intra_gbps"], links["inter_gbps"]
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    source = (f"calibrated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {socket.gethostname()} "
+              f"({processes}, {dtype_name})")
+    measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
+                "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps,
+                "attention": attention, **collectives}
+    return {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+
+
+def attention_efficiency(attention: dict, gpu) -> float:
+    """The `attn_eff` under which the planner's flash-attention rate (plan/timing.py scales it
+    by sequence and head size) equals the measured one at the measured shape."""
+    from dataclasses import replace
+
+    from ember.plan.timing import flash_efficiency
+
+    shape_factor = flash_efficiency(attention["seq"], attention["head_dim"], replace(gpu, attn_eff=1.0))
+    return round(attention["tflops"] * 1e12 / gpu.peak_bf16_flops / shape_factor, 4)
+
+
+def _set_link(links: dict, which: str, busbw_gbps: float, latency_s: float, known) -> None:
+    """A measured bus bandwidth: a table GPU keeps its link rate and gets the measured share
+    of it; anything else gets the measured rate at full efficiency."""
+    if known is not None:
+        links[f"{which}_eff"] = round(busbw_gbps / links[f"{which}_gbps"], 4)
+    else:
+        links[f"{which}_gbps"], links[f"{which}_eff"] = round(busbw_gbps, 4), 1.0
+    links[f"{which}_latency_s"] = latency_s
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _collective_sections(device: torch.device, quick: bool, world: int, local_world: int) -> dict:
+    sizes, min_time = MESSAGE_BYTES[(device.type, quick)], MIN_TIME[quick]
+    rank = dist.get_rank()
+    out: dict = {}
+    if world > local_world:
+        nodes = [list(range(i, i + local_world)) for i in range(0, world, local_world)]
+        groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
+        if local_world > 1:  # one GPU per node has no intra-node link to measure
+            out["intra"] = measure_collectives(sizes, device, min_time, groups[rank // local_world])
+        out["inter"] = measure_collectives(sizes, device, min_time)
+        out["inter"]["p2p"] = measure_p2p(sizes, device, local_world, min_time)
+    else:
+        out["intra"] = measure_collectives(sizes, device, min_time)
+    if local_world > 1:
+        out["intra"]["p2p"] = measure_p2p(sizes, device, 1, min_time)
+    return out
+
+
+def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict | None:
+    """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world > 1 and world % local_world:
+        raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}.")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"--dtype must be bf16 or fp32, not {dtype!r}.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    started = world > 1 and not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        quick_min = MIN_TIME[quick]
+        matmuls = measure_matmuls(device, torch_dtype, MATMUL_SIZES[(device.type, quick)], quick_min)
+        copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)
+        attention = measure_attention(device, torch_dtype, ATTENTION[(device.type, quick)], quick_min)
+        collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
+        per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
+        known, info = describe_device(device, per_node)
+        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out, json.dumps(profile, indent=2) + "\n")
+        return profile
+    finally:
+        if started:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """What a user reads after a calibration: the best matmul and each link's bus bandwidth."""
+    m = profile["measured"]
+    lines = [f"{profile['gpu']['name']}: best matmul {m['best_matmul_tflops'] * 1e3:,.1f} GFLOP/s ({m['dtype']}; "
+             + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['tflops'] * 1e3:,.1f}" for r in m["matmul"])
+             + f"), copy {m['copy_gbps']:,.1f} GB/s"]
+    if m.get("attention"):
+        a = m["attention"]
+        lines.append(f"causal attention (batch {a['batch']}, {a['heads']} heads, sequence {a['seq']}, head size "
+                     f"{a['head_dim']}) {a['tflops'] * 1e3:,.1f} GFLOP/s forward+backward: "
+                     f"attn_eff {profile['gpu']['attn_eff']:.3f}")
+    for where in ("intra", "inter"):
+        if where in m:
+            parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]
+            lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
+                         + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
+    return lines

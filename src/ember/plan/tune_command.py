@@ -1,0 +1,150 @@
+"""`ember tune` from the command line: plan, run the top layouts, show predicted against
+measured, write the winner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ember.config import ConfigError
+
+EPILOG = """examples:
+  ember plan calibrate --out cpu.json --quick
+  ember tune configs/tiny-gpt.toml --data data/tiny --nproc 1 --profile cpu.json --top 2 --steps 5 --out tune-cpu
+  ember tune configs/gpt2-small.toml --data data/owt --nproc 8 --top 4 --steps 30 --out tune-8xh100"""
+
+
+def register_tune(verbs) -> None:
+    tune = verbs.add_parser("tune", help="run the planner's best layouts for a few steps and keep the fastest",
+                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_argument("config", help="TOML recipe")
+    tune.add_argument("--data", required=True, help="folder written by `ember data prepare`")
+    tune.add_argument("--nproc", type=int, required=True, help="processes (GPUs) on this machine")
+    tune.add_argument("--profile", help="profile file of this machine (`ember plan calibrate`); "
+                                        "default: the GPU table's row for the local GPU")
+    tune.add_argument("--top", type=int, default=3, help="layouts to try (default 3)")
+    tune.add_argument("--steps", type=int, default=10, help="training steps per trial (default 10)")
+    tune.add_argument("--warmup", type=int, default=2, help="logged steps skipped before measuring (default 2)")
+    tune.add_argument("--timeout", type=float, default=900.0, help="seconds a trial may take (default 900)")
+    tune.add_argument("--out", default="tune", help="folder for the trials, best.toml and tune.json")
+    tune.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one recipe value, for planning and every trial")
+    tune.add_argument("--dry-run", action="store_true", help="print the trials' commands, run nothing")
+    tune.set_defaults(func=run_tune)
+
+
+def _check_args(args) -> None:
+    for name in ("nproc", "top", "steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, not {getattr(args, name)}.")
+    if args.warmup < 0 or args.timeout <= 0:
+        raise ConfigError("--warmup must be 0 or more and --timeout positive.")
+
+
+def plan_trials(args):
+    """Everything before running: the recipe, data, cluster, ranked layouts and the trials."""
+    from ember.config import load_config
+    from ember.data import load_manifest
+    from ember.plan.search import search
+    from ember.plan.tune import Trial, local_cluster, parallel_trainer, plan_inputs, select, trial_command, \
+        trial_settings
+
+    _check_args(args)
+    config = load_config(args.config, args.set)
+    manifest = load_manifest(Path(args.data))
+    cluster = local_cluster(args.nproc, args.profile)
+    model, shape = plan_inputs(config, manifest, Path(args.config).stem)
+    result = search(model, cluster, shape)
+    if not result.ranked:
+        leanest = min(result.too_big, key=lambda p: p.memory.total)
+        raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per process on "
+                          f"{args.nproc}; the leanest ({leanest.layout.text()}) needs "
+                          f"{leanest.memory.total / 2**30:.1f} GiB.")
+    parallel = parallel_trainer()
+    chosen, passed = select(result.ranked, args.top, parallel)
+    if not chosen:
+        raise ConfigError(f"all {len(result.ranked)} layouts that fit need the parallel trainer "
+                          "([parallel] section), which this ember does not have yet.")
+    out = Path(args.out)
+    trials = []
+    for i, prediction in enumerate(chosen, 1):
+        run_dir = out / f"trial-{i}"
+        settings = trial_settings(prediction.layout, shape, parallel)
+        command = trial_command(args.config, args.data, run_dir, args.nproc, args.steps, settings, args.set)
+        trials.append(Trial(i, prediction, command, run_dir, settings))
+    return config, cluster, model, shape, result, trials, passed
+
+
+def run_tune(args) -> int:
+    import torch
+
+    from ember.plan.report import print_text
+    from ember.plan.tune import best_recipe, run_trial, write_atomic
+
+    config, cluster, model, shape, result, trials, passed = plan_trials(args)
+    out = Path(args.out)
+    console = Console() if Console().is_terminal else Console(width=140)
+    skipped = f" ({passed} better-ranked need the parallel trainer and were passed over)" if passed else ""
+    print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
+                        f"{len(result.ranked):,} of {result.considered:,} layouts fit; "
+                        f"trying the top {len(trials)}{skipped}")
+    if args.dry_run:
+        for t in trials:
+            print_text(console, f"trial {t.index}: {t.prediction.layout.text()}\n  " + shlex.join(t.command))
+        return 0
+    if (out / "tune.json").exists() or any(t.run_dir.exists() for t in trials):
+        raise ConfigError(f"{out} already holds a tuning run; choose another --out.")
+    out.mkdir(parents=True, exist_ok=True)
+    for t in trials:
+        print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
+        run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
+        done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
+        print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
+    finished = sorted((t for t in trials if t.status == "finished"), key=lambda t: -t.tokens_per_s)
+    console.print(table(trials, finished, cluster.n_gpus))
+    report = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
+              "shape": {"seq_len": shape.seq_len, "global_batch": shape.global_batch},
+              "steps": args.steps, "warmup": args.warmup, "layouts_fitting": len(result.ranked),
+              "passed_over": passed, "trials": [t.to_dict(cluster.n_gpus) for t in trials], "best": None}
+    if finished:
+        best = finished[0]
+        write_atomic(out / "best.toml", f"# ember tune: {best.prediction.layout.text()}, "
+                     f"{best.tokens_per_s:,.0f} tokens/s measured on {cluster.describe()}\n"
+                     + best_recipe(args.config, args.set, best.settings))
+        report["best"] = {"trial": best.index, "layout": best.prediction.layout.text(),
+                          "recipe": str(out / "best.toml")}
+    write_atomic(out / "tune.json", json.dumps(report, indent=2) + "\n")
+    if not finished:
+        print_text(console, f"no trial finished; see the logs in {out} (wrote {out / 'tune.json'})")
+        return 1
+    print_text(console, f"best: trial {best.index} ({best.prediction.layout.text()}); wrote {out / 'best.toml'} "
+                        f"and {out / 'tune.json'}\ntrain with it: torchrun --standalone --nproc-per-node "
+                        f"{args.nproc} -m ember train {out / 'best.toml'} --data {args.data} --out RUN_DIR")
+    return 0
+
+
+def table(trials, finished, n_gpus: int) -> Table:
+    """Predicted against measured: tokens/s for all processes together, memory per process,
+    and the rank each gives (the planner's order is the trials' order)."""
+    measured_rank = {t.index: i for i, t in enumerate(finished, 1)}
+    out = Table(header_style="bold")
+    for name in ("#", "layout", "pred tok/s", "meas tok/s", "meas/pred", "pred GiB", "meas GiB", "pred rank",
+                 "meas rank", "status"):
+        out.add_column(name, justify="left" if name in ("layout", "status") else "right")
+    for t in trials:
+        p = t.prediction
+        predicted = p.tokens_per_s_per_gpu * n_gpus
+        measured = f"{t.tokens_per_s:,.0f}" if t.tokens_per_s is not None else "-"
+        ratio = f"{t.tokens_per_s / predicted:.2f}" if t.tokens_per_s is not None else "-"
+        memory = "-" if t.peak_memory_gib is None else (f"{t.peak_memory_gib:.2f}"
+                                                        + (" rss" if t.memory_source == "rss" else ""))
+        status = "ok" if t.status == "finished" else f"failed: {t.reason}"
+        out.add_row(str(t.index), p.layout.text(), f"{predicted:,.0f}", measured, ratio,
+                    f"{p.memory.total / 2**30:.2f}", memory, str(t.index),
+                    str(measured_rank.get(t.index, "-")), status)
+    return out
