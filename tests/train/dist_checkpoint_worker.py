@@ -1,9 +1,9 @@
 """One rank of the sharded-checkpoint tests: `python dist_checkpoint_worker.py LAUNCH WORKDIR`
 under RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (gloo, CPU).
 
-Launch "dp4" (4 ranks): FSDP x4 trains a step and saves. Launch "two" (2 ranks): FSDP x2
-and two pipeline-style parts save; tensor parallel x2 loads the FSDP x2 checkpoint and
-FSDP x2 loads the dp4 one. Each saver writes a reference (the whole model and AdamW
+Launch "dp4" (4 ranks): FSDP x4 trains a step and saves; hybrid sharding 2x2 loads it.
+Launch "two" (2 ranks): FSDP x2 and two pipeline-style parts save; tensor parallel x2 and
+DDP x2 load the FSDP x2 checkpoint, FSDP x2 loads the dp4 one. Each saver writes a reference (the whole model and AdamW
 state it held, and the losses of one more step) that the loaders, here and in the
 single-process test, must reproduce. Rank 0 records each check's outcome in
 `results_<launch>.json` ("ok" or the error) so one failed check does not hide the rest.
@@ -122,6 +122,13 @@ def fsdp(mesh) -> tuple[nn.Module, list]:
     return model, [adamw(model)]
 
 
+def ddp() -> tuple[nn.Module, list]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(plain_model())
+    return model, [adamw(model)]
+
+
 def tensor_parallel(mesh) -> tuple[nn.Module, list]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -160,14 +167,14 @@ def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], 
     dist.barrier()
 
 
-def load_phase(work: Path, name: str, model: nn.Module, optimizers: list) -> None:
+def load_phase(work: Path, name: str, label: str, model: nn.Module, optimizers: list) -> None:
     import torch.distributed as dist
 
     ref = torch.load(work / f"ref_{name}.pt", weights_only=True)
     newest = max((work / name / "checkpoints").iterdir())
     state = load_sharded(newest, [model], optimizers)
     draws = torch.rand(3)
-    save_full_model([model], work / f"loaded_{name}.safetensors")
+    save_full_model([model], work / f"{label}.safetensors")
     got = gather_to_rank0(full_state([model], optimizers))
     losses = continuation(model, optimizers)
     assert state == {"progress": {"step": 1}, "data": {"position": 17}}, state
@@ -185,7 +192,8 @@ def main() -> None:
     launch, work = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
     results: dict[str, str] = {}
 
     def check(label: str, fn) -> None:
@@ -202,6 +210,8 @@ def main() -> None:
 
     if launch == "dp4":
         check("save_fsdp4", lambda: save_whole("dp4"))
+        hybrid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        check("hsdp2x2_from_dp4", lambda: load_phase(work, "dp4", "hsdp2x2_from_dp4", *fsdp(hybrid)))
     else:
         check("save_fsdp2", lambda: save_whole("fsdp2"))
 
@@ -221,8 +231,9 @@ def main() -> None:
                 torch.save({"state": reference, "losses": losses}, work / "ref_pp2.pt")
 
         check("save_pp2", save_pipeline_parts)
-        check("tp2_from_fsdp2", lambda: load_phase(work, "fsdp2", *tensor_parallel(mesh)))
-        check("fsdp2_from_dp4", lambda: load_phase(work, "dp4", *fsdp(mesh)))
+        check("tp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "tp2_from_fsdp2", *tensor_parallel(mesh)))
+        check("ddp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "ddp2_from_fsdp2", *ddp()))
+        check("fsdp2_from_dp4", lambda: load_phase(work, "dp4", "fsdp2_from_dp4", *fsdp(mesh)))
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(results, every, dst=0)
     if dist.get_rank() == 0:

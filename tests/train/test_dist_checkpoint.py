@@ -75,6 +75,14 @@ def test_dp4_checkpoint_resumes_under_fsdp_x2(saved):
     _check(saved[1], "save_fsdp4", "fsdp2_from_dp4")
 
 
+def test_dp4_checkpoint_resumes_under_hybrid_sharding(saved):
+    _check(saved[1], "save_fsdp4", "hsdp2x2_from_dp4")
+
+
+def test_zero3_checkpoint_resumes_under_ddp(saved):
+    _check(saved[1], "save_fsdp2", "ddp2_from_fsdp2")
+
+
 def _assert_restored(model: Transformer, opt: torch.optim.Optimizer, ref: dict) -> None:
     """Compares through the plain model and optimizer, not the state-dict helpers the
     checkpoint code itself uses."""
@@ -113,11 +121,11 @@ def test_pipeline_parts_resume_as_whole_model_in_one_process(saved):
     _assert_restored(model, opt, torch.load(work / "ref_pp2.pt", weights_only=True))
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "pp2", "dp4", "loaded_fsdp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "pp2", "dp4", "tp2_from_fsdp2", "hsdp2x2_from_dp4"])
 def test_full_model_gathered_from_shards_and_stages_is_what_eval_reads(saved, name):
     work, results = saved
-    _check(results, "save_fsdp2", "save_pp2", "tp2_from_fsdp2")
-    ref = torch.load(work / f"ref_{name.removeprefix('loaded_')}.pt", weights_only=True)["state"]
+    _check(results, "save_fsdp2", "save_fsdp4", "save_pp2", "tp2_from_fsdp2", "hsdp2x2_from_dp4")
+    ref = torch.load(work / f"ref_{name.split('_from_')[-1]}.pt", weights_only=True)["state"]
     model = Transformer(worker.CFG)
     load_weights(model, work / f"{name}.safetensors")
     for key, value in model.state_dict().items():
