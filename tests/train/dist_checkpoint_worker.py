@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -197,12 +198,14 @@ def main() -> None:
     results: dict[str, str] = {}
 
     def check(label: str, fn) -> None:
+        start = time.perf_counter()
         try:
             fn()
             results[label] = "ok"
         except Exception:  # recorded, so the test names the failing check
             results[label] = traceback.format_exc()
         dist.barrier()
+        print(f"{label}: {time.perf_counter() - start:.1f}s", flush=True)
 
     def save_whole(name: str) -> None:
         model, optimizers = fsdp(mesh)

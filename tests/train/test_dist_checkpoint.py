@@ -133,7 +133,7 @@ def test_full_model_gathered_from_shards_and_stages_is_what_eval_reads(saved, na
 
 
 def test_tied_weights_from_two_stages_are_stored_once(tmp_path):
-    cfg = worker.CFG.__class__(**{**worker.CFG.__dict__, "tie_embeddings": True})
+    cfg = _tied_config()
     torch.manual_seed(0)
     tied = Transformer(cfg)
     first = worker.Part(tied, [0, 1], embed=True)
@@ -146,6 +146,32 @@ def test_tied_weights_from_two_stages_are_stored_once(tmp_path):
     load_weights(restored, tmp_path / "model.safetensors")
     assert restored.head.weight is restored.embed.weight
     assert torch.equal(restored.embed.weight, tied.embed.weight)
+
+
+def _tied_config():
+    return worker.CFG.__class__(**{**worker.CFG.__dict__, "tie_embeddings": True})
+
+
+def test_tied_model_checkpoint_loads_into_stages_holding_embedding_and_head_apart(tmp_path):
+    cfg = _tied_config()
+    torch.manual_seed(0)
+    tied = Transformer(cfg)
+    opt = worker.adamw(tied)
+    worker.train_step(tied, [opt], worker.batches()[0])
+    path = dc.save_sharded(tmp_path, 1, [tied], [opt], {})
+
+    torch.manual_seed(1)
+    other = Transformer(cfg)
+    first = worker.Part(other, [0, 1], embed=True)
+    last = worker.Part(other, [], head=True)
+    last.head = torch.nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)  # the last stage's own copy
+    optimizers = [worker.adamw(first), worker.adamw(last)]
+    dc.load_sharded(path, [first, last], optimizers)
+    shared = opt.state[tied.embed.weight]
+    for module, part_opt in ((first.embed, optimizers[0]), (last.head, optimizers[1])):
+        assert torch.equal(module.weight, tied.embed.weight)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(part_opt.state[module.weight][key], shared[key]), key
 
 
 def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):

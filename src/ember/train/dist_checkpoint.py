@@ -82,7 +82,8 @@ def is_sharded(path: Path) -> bool:
     return (Path(path) / LAYOUT_FILE).is_file()
 
 
-def _collect(parts: list[nn.Module], optimizers: list[Optimizer] | None) -> tuple[dict, list[list[str]], list[list[str]]]:
+def _collect(parts: list[nn.Module], optimizers: list[Optimizer] | None,
+             aliases: bool = False) -> tuple[dict, list[list[str]], list[list[str]]]:
     """The state dict of all parts keyed by FQN, and which keys belong to which part."""
     if optimizers is not None and len(optimizers) != len(parts):
         raise ValueError(f"{len(parts)} model parts but {len(optimizers)} optimizers; pass one optimizer per part.")
@@ -95,12 +96,37 @@ def _collect(parts: list[nn.Module], optimizers: list[Optimizer] | None) -> tupl
         model.update(sd)
         if optimizers is not None:
             osd = get_optimizer_state_dict(part, optimizers[i], options=_OPTIM)
+            if aliases:
+                osd = _with_aliases(osd, part)
             optim_keys.append(list(osd))
             optim.update(osd)
     state = {"model": model}
     if optimizers is not None:
         state["optim"] = optim
     return state, model_keys, optim_keys
+
+
+def _with_aliases(osd: dict[str, Any], part: nn.Module) -> dict[str, Any]:
+    """Also key the states of a tied parameter (embedding and output layer) under its other
+    names. The optimizer keys it by one name only, but a pipeline's last stage holds the
+    output layer alone and must find its states under "head.weight"."""
+    try:  # what get_model_state_dict uses to strip wrapper prefixes (private, present since 2.2)
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:
+        return osd
+    names: dict[int, list[str]] = {}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).extend(sorted(_get_fqns(part, name)))
+    out = dict(osd)
+    for fqns in names.values():
+        for kind in ("state", "param_groups"):
+            have = next((f for f in fqns if any(k.startswith(f"{kind}.{f}.") for k in osd)), None)
+            if have is None:
+                continue
+            for key in [k for k in osd if k.startswith(f"{kind}.{have}.")]:
+                for other in fqns:
+                    out.setdefault(f"{kind}.{other}.{key[len(kind) + len(have) + 2:]}", osd[key])
+    return out
 
 
 def _fsync_tree(root: Path) -> None:
@@ -134,7 +160,7 @@ def save_sharded(run_dir: Path, step: int, parts: list[nn.Module], optimizers: l
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
     _barrier()
-    to_save, _, _ = _collect(parts, optimizers)
+    to_save, _, _ = _collect(parts, optimizers, aliases=True)
     with _quiet_single_process():
         dcp.save(to_save, checkpoint_id=str(tmp))
     rng_file = tmp / "rng" / f"rank_{_rank():05d}.pt"
