@@ -218,3 +218,21 @@ def test_is_sharded_tells_the_two_formats_apart(tmp_path):
     assert not dc.is_sharded(plain) and dc.is_sharded(sharded)
     with pytest.raises(FileNotFoundError):
         dc.load_sharded(plain, [model], None)
+
+
+def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(tmp_path):
+    from ember.config import ConfigError
+
+    model = worker.plain_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    worker.train_step(model, [opt], worker.batches()[0])
+    path = dc.save_sharded(tmp_path, 1, [model], [opt], {})
+    wider = Transformer(worker.CFG.__class__(**{**worker.CFG.__dict__, "hidden": 64}))
+    with pytest.raises(ConfigError, match="Size mismatch.*embed.weight"):
+        dc.load_sharded(path, [wider], [worker.adamw(wider)])
+
+    same = worker.plain_model()
+    other_kernels = torch.optim.AdamW(same.parameters(), lr=1e-3, foreach=True)
+    dc.load_sharded(path, [same], [other_kernels])
+    assert other_kernels.param_groups[0]["foreach"] is True
+    assert other_kernels.param_groups[0]["lr"] == 1e-2  # training state does come from the checkpoint

@@ -43,12 +43,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from ember.config import ConfigError
 from ember.train.checkpoint import PREFIX, list_checkpoints, rng_state, set_rng_state
 
 LAYOUT_FILE = "sharded.json"
 # Per-FQN optimizer keys (instead of integer parameter ids) are what let one optimizer per
 # pipeline part be merged with, and split back into, any other set of parts.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# How this process runs the update (kernels for its device), not training state: a
+# checkpoint from GPUs must not switch a CPU run to fused kernels, or back.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _distributed() -> bool:
@@ -192,13 +196,21 @@ def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer]
     # Fresh optimizers get zero states here, shaped and placed like the parameters, so
     # DCP has a destination for every shard.
     to_load, model_keys, optim_keys = _collect(parts, optimizers)
-    with _quiet_single_process():
-        dcp.load(to_load, checkpoint_id=str(path))
+    try:
+        with _quiet_single_process():
+            dcp.load(to_load, checkpoint_id=str(path))
+    except dcp.CheckpointException as err:  # raised on every rank alike
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ConfigError(f"{path} does not hold the state of this model ({lines[-1] if lines else 'unreadable'}); "
+                          "resume with the model settings the run was saved with.") from None
     for i, part in enumerate(parts):
         set_model_state_dict(part, {k: to_load["model"][k] for k in model_keys[i]})
         if optimizers is not None:
+            how = [{k: group[k] for k in _IMPLEMENTATION if k in group} for group in optimizers[i].param_groups]
             set_optimizer_state_dict(part, optimizers[i], {k: to_load["optim"][k] for k in optim_keys[i]},
                                      options=_OPTIM)
+            for group, kept in zip(optimizers[i].param_groups, how):
+                group.update(kept)
     saved_world = json.loads((path / LAYOUT_FILE).read_text())["world_size"]
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
     if optimizers is not None and saved_world == _world() and rng_file.is_file():
