@@ -122,7 +122,7 @@ def _with_aliases(osd: dict[str, Any], part: nn.Module) -> dict[str, Any]:
     for name, param in part.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).extend(sorted(_get_fqns(part, name)))
     out = dict(osd)
-    for fqns in names.values():
+    for fqns in (f for f in names.values() if len(f) > 1):
         for kind in ("state", "param_groups"):
             have = next((f for f in fqns if any(k.startswith(f"{kind}.{f}.") for k in osd)), None)
             if have is None:
