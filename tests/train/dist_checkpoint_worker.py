@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.config import ModelConfig
+from ember.config import ModelConfig, OptimConfig
 from ember.model.transformer import Transformer
 from ember.train.dist_checkpoint import load_sharded, save_full_model, save_sharded
+from ember.train.setup import build_optimizer
 
 CFG = ModelConfig(vocab_size=64, vocab_multiple=64, hidden=32, layers=2, heads=4, mlp_hidden=64,
                   max_seq_len=16, tie_embeddings=False)
@@ -42,7 +43,8 @@ def plain_model() -> Transformer:
 
 
 def adamw(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    """The trainer's AdamW: weight decay on matrices only, so two parameter groups."""
+    return build_optimizer(module, OptimConfig(lr=1e-2), torch.device("cpu"))
 
 
 def train_step(model: nn.Module, optimizers: list[torch.optim.Optimizer], batch) -> float:
