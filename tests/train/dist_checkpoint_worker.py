@@ -3,7 +3,8 @@ under RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (gloo, CPU).
 
 Launch "dp4" (4 ranks): FSDP x4 trains a step and saves; hybrid sharding 2x2 loads it.
 Launch "two" (2 ranks): FSDP x2 and two pipeline-style parts save; tensor parallel x2 and
-DDP x2 load the FSDP x2 checkpoint, FSDP x2 loads the dp4 one. Each saver writes a reference (the whole model and AdamW
+DDP x2 load the FSDP x2 checkpoint, FSDP x2 loads the dp4 one and a one-process
+checkpoint (train/checkpoint.py's format, written by the test before the launches). Each saver writes a reference (the whole model and AdamW
 state it held, and the losses of one more step) that the loaders, here and in the
 single-process test, must reproduce. Rank 0 records each check's outcome in
 `results_<launch>.json` ("ok" or the error) so one failed check does not hide the rest.
@@ -111,6 +112,21 @@ def assert_same_state(got: dict, want: dict) -> None:
 def assert_same_losses(got: list[float], want: list[float]) -> None:
     for a, b in zip(got, want, strict=True):
         assert abs(a - b) <= RTOL * abs(b), f"losses {got} != {want}"
+
+
+def save_single_process(work: Path) -> None:
+    """A run of the one-process trainer's format (train/checkpoint.py) with its config.toml."""
+    from ember.config import Config, to_toml
+    from ember.train.checkpoint import save_checkpoint
+
+    model = plain_model()
+    optimizers = [adamw(model)]
+    train_step(model, optimizers, batches()[0])
+    run = work / "single"
+    save_checkpoint(run, 1, model, optimizers[0], {"progress": {"step": 1}, "data": {"position": 17}})
+    (run / "config.toml").write_text(to_toml(Config(model=CFG, optim=OptimConfig(lr=1e-2))))
+    reference = full_state([model], optimizers)
+    torch.save({"state": reference, "losses": continuation(model, optimizers), "rng": []}, work / "ref_single.pt")
 
 
 # ---- layouts (built here for the tests only) -------------------------------------------
@@ -239,6 +255,7 @@ def main() -> None:
         check("tp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "tp2_from_fsdp2", *tensor_parallel(mesh)))
         check("ddp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "ddp2_from_fsdp2", *ddp()))
         check("fsdp2_from_dp4", lambda: load_phase(work, "dp4", "fsdp2_from_dp4", *fsdp(mesh)))
+        check("fsdp2_from_single", lambda: load_phase(work, "single", "fsdp2_from_single", *fsdp(mesh)))
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(results, every, dst=0)
     if dist.get_rank() == 0:

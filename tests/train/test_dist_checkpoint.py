@@ -57,6 +57,7 @@ def _launch(launch: str, world: int, work: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     work = tmp_path_factory.mktemp("dcp")
+    worker.save_single_process(work)
     results = _launch("dp4", 4, work)
     results.update(_launch("two", 2, work))
     return work, results
@@ -81,6 +82,22 @@ def test_dp4_checkpoint_resumes_under_hybrid_sharding(saved):
 
 def test_zero3_checkpoint_resumes_under_ddp(saved):
     _check(saved[1], "save_fsdp2", "ddp2_from_fsdp2")
+
+
+def test_one_process_checkpoint_resumes_under_zero3_x2(saved):
+    _check(saved[1], "fsdp2_from_single")
+
+
+def test_one_process_checkpoint_resumes_as_pipeline_parts(saved):
+    work = saved[0]
+    model = worker.plain_model()
+    parts = [part for rank_parts in worker.pipeline_parts(model) for part in rank_parts]
+    optimizers = [worker.adamw(part) for part in parts]
+    state = dc.load_sharded(work / "single" / "checkpoints" / "step_00000001", parts, optimizers)
+    assert state == {"progress": {"step": 1}, "data": {"position": 17}}
+    ref = torch.load(work / "ref_single.pt", weights_only=True)
+    worker.assert_same_state(worker.full_state(parts, optimizers), ref["state"])
+    worker.assert_same_losses(worker.continuation(model, optimizers), ref["losses"])
 
 
 def _assert_restored(model: Transformer, opt: torch.optim.Optimizer, ref: dict) -> None:
@@ -217,7 +234,7 @@ def test_is_sharded_tells_the_two_formats_apart(tmp_path):
     sharded = dc.save_sharded(tmp_path / "b", 1, [model], [worker.adamw(model)], {})
     assert not dc.is_sharded(plain) and dc.is_sharded(sharded)
     with pytest.raises(FileNotFoundError):
-        dc.load_sharded(plain, [model], None)
+        dc.load_sharded(tmp_path, [model], None)
 
 
 def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(tmp_path):

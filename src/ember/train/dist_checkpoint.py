@@ -192,7 +192,9 @@ def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer]
     process group too (one process, a plain Transformer and its AdamW). Returns `state`."""
     path = Path(path)
     if not is_sharded(path):
-        raise FileNotFoundError(f"{path} is not a sharded checkpoint (no {LAYOUT_FILE}).")
+        if (path / "model.safetensors").is_file() and (path / "optimizer.pt").is_file():
+            return _load_single_process_checkpoint(path, parts, optimizers)
+        raise FileNotFoundError(f"{path} is not a checkpoint (no {LAYOUT_FILE}, no model.safetensors).")
     # Fresh optimizers get zero states here, shaped and placed like the parameters, so
     # DCP has a destination for every shard.
     to_load, model_keys, optim_keys = _collect(parts, optimizers)
@@ -216,6 +218,64 @@ def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer]
     if optimizers is not None and saved_world == _world() and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "state.json").read_text())
+
+
+def _load_single_process_checkpoint(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None) -> dict:
+    """A checkpoint of `train/checkpoint.py` into any layout: every rank reads the whole
+    files and keeps its own pieces (a run started on one device, resumed on many)."""
+    from safetensors import safe_open
+
+    from ember.config import load_config
+    from ember.model.transformer import Transformer
+    from ember.train.setup import build_optimizer
+
+    with safe_open(str(path / "model.safetensors"), "pt") as handle:
+        model = {k: handle.get_tensor(k) for k in handle.keys()}
+        tied = {k: v for k, v in (handle.metadata() or {}).items() if v in model}  # stored once
+    model.update({removed: model[kept] for removed, kept in tied.items()})
+    flat: dict[str, Any] = {}
+    if optimizers is not None:
+        # optimizer.pt numbers parameters in the order the one-process trainer gave them to
+        # its optimizer; rebuild that order on a weightless copy of the run's model.
+        cfg = load_config(path.parent.parent / "config.toml")
+        with torch.device("meta"):
+            shadow = Transformer(cfg.model)
+        names = {id(p): n for n, p in shadow.named_parameters()}
+        order = [names[id(p)] for group in build_optimizer(shadow, cfg.optim, torch.device("cpu")).param_groups
+                 for p in group["params"]]
+        saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        for group in saved["param_groups"]:
+            for index in group["params"]:
+                fqns = [order[index]] + [r for r, kept in tied.items() if kept == order[index]]
+                for fqn in fqns:
+                    flat.update({f"state.{fqn}.{k}": v for k, v in saved["state"].get(index, {}).items()})
+                    flat.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    for i, part in enumerate(parts):
+        set_model_state_dict(part, {k: _shard_like(model[k], v) for k, v in get_model_state_dict(part).items()})
+        if optimizers is not None:
+            how = [{k: group[k] for k in _IMPLEMENTATION if k in group} for group in optimizers[i].param_groups]
+            wanted = get_optimizer_state_dict(part, optimizers[i], options=_OPTIM)
+            set_optimizer_state_dict(part, optimizers[i], {k: _shard_like(flat[k], v) for k, v in wanted.items()},
+                                     options=_OPTIM)
+            for group, kept in zip(optimizers[i].param_groups, how):
+                group.update(kept)
+    if optimizers is not None and _world() == 1:
+        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def _shard_like(whole: Any, like: Any) -> Any:
+    """`whole` (a full tensor, or a number) cut and placed as `like` is (a DTensor's shard on
+    its mesh, or a plain tensor on its device)."""
+    if not isinstance(like, torch.Tensor):
+        return whole
+    whole = whole.to(device=like.device, dtype=like.dtype)
+    mesh = getattr(like, "device_mesh", None)
+    if mesh is None:
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, mesh, like.placements)
 
 
 def _full_tensor(value: Any) -> Any:
