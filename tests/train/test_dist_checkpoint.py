@@ -238,7 +238,8 @@ def test_is_sharded_tells_the_two_formats_apart(tmp_path):
 
 
 def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(tmp_path):
-    from ember.config import ConfigError
+    from ember.config import Config, ConfigError, to_toml
+    from ember.train.checkpoint import save_checkpoint
 
     model = worker.plain_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -247,6 +248,11 @@ def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(
     wider = Transformer(worker.CFG.__class__(**{**worker.CFG.__dict__, "hidden": 64}))
     with pytest.raises(ConfigError, match="Size mismatch.*embed.weight"):
         dc.load_sharded(path, [wider], [worker.adamw(wider)])
+
+    plain = save_checkpoint(tmp_path / "plain", 1, model, opt, {})
+    (tmp_path / "plain" / "config.toml").write_text(to_toml(Config(model=worker.CFG)))
+    with pytest.raises(ConfigError, match="embed.weight of shape"):
+        dc.load_sharded(plain, [wider], [worker.adamw(wider)])
 
     same = worker.plain_model()
     other_kernels = torch.optim.AdamW(same.parameters(), lr=1e-3, foreach=True)

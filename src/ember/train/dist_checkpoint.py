@@ -18,6 +18,9 @@ A sharded checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` (the namin
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 fsyncs and renames it, so a
 crash at any moment leaves the newest complete checkpoint loadable.
+
+`load_sharded` also reads a one-process checkpoint of `train/checkpoint.py` into any
+layout, so a run started on one device can go on under torchrun.
 """
 
 from __future__ import annotations
@@ -251,17 +254,30 @@ def _load_single_process_checkpoint(path: Path, parts: list[nn.Module], optimize
                     flat.update({f"state.{fqn}.{k}": v for k, v in saved["state"].get(index, {}).items()})
                     flat.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
     for i, part in enumerate(parts):
-        set_model_state_dict(part, {k: _shard_like(model[k], v) for k, v in get_model_state_dict(part).items()})
+        set_model_state_dict(part, {k: _shard_like(_pick(model, k, v, path), v)
+                                    for k, v in get_model_state_dict(part).items()})
         if optimizers is not None:
             how = [{k: group[k] for k in _IMPLEMENTATION if k in group} for group in optimizers[i].param_groups]
             wanted = get_optimizer_state_dict(part, optimizers[i], options=_OPTIM)
-            set_optimizer_state_dict(part, optimizers[i], {k: _shard_like(flat[k], v) for k, v in wanted.items()},
+            set_optimizer_state_dict(part, optimizers[i],
+                                     {k: _shard_like(_pick(flat, k, v, path), v) for k, v in wanted.items()},
                                      options=_OPTIM)
             for group, kept in zip(optimizers[i].param_groups, how):
                 group.update(kept)
     if optimizers is not None and _world() == 1:
         set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return json.loads((path / "state.json").read_text())
+
+
+def _pick(saved: dict[str, Any], key: str, like: Any, path: Path) -> Any:
+    if key not in saved:
+        raise ConfigError(f"{path} holds no {key}, which this model has; "
+                          "resume with the model settings the run was saved with.")
+    found = saved[key]
+    if isinstance(like, torch.Tensor) and tuple(found.shape) != tuple(like.shape):
+        raise ConfigError(f"{path} holds {key} of shape {tuple(found.shape)} where this model has "
+                          f"{tuple(like.shape)}; resume with the model settings the run was saved with.")
+    return found
 
 
 def _shard_like(whole: Any, like: Any) -> Any:
