@@ -303,8 +303,6 @@ def _full_tensor(value: Any) -> Any:
 def save_full_model(parts: list[nn.Module], path: Path) -> None:
     """Write the whole model as one `model.safetensors` (the format `ember eval` and
     `ember export` read), gathering shards and pipeline stages to rank 0; all ranks call it."""
-    from safetensors.torch import _remove_duplicate_names, save_file
-
     local: dict[str, Any] = {}
     for part in parts:
         local.update(get_model_state_dict(part))
@@ -327,21 +325,30 @@ def save_full_model(parts: list[nn.Module], path: Path) -> None:
         if _rank() == 0:
             mine = {k: v for sent in gathered for k, v in sent.items()}
     if _rank() == 0:
-        _write_safetensors(mine, Path(path), _remove_duplicate_names, save_file)
+        _write_safetensors(mine, Path(path))
     _barrier()
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, remove_duplicates, save_file) -> None:
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
     # Stages on different ranks hold tied embedding and head as two equal copies; the plain
     # model holds one tensor, so store it once as `save_model` does or load_model refuses it.
     embed, head = tensors.get("embed.weight"), tensors.get("head.weight")
     if embed is not None and head is not None and embed is not head and torch.equal(embed, head):
         tensors["head.weight"] = embed
+    # Names sharing one tensor keep the alphabetically first, the others are recorded in the
+    # metadata, exactly as safetensors' save_model does, so its load_model re-ties them.
     metadata = {"format": "pt"}
-    for kept, removed in remove_duplicates(tensors).items():
-        for name in removed:
-            metadata[name] = kept
+    kept: dict[tuple, str] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() > 0 and where in kept:
+            metadata[name] = kept[where]
             del tensors[name]
+        else:
+            kept.setdefault(where, name)
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
