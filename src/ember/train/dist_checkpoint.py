@@ -191,8 +191,9 @@ def save_sharded(run_dir: Path, step: int, parts: list[nn.Module], optimizers: l
 
 def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None) -> dict:
     """Fill `parts` (and `optimizers`, and this rank's RNG when the world size matches) from
-    a sharded checkpoint written under any layout; all ranks call it. Works without a
-    process group too (one process, a plain Transformer and its AdamW). Returns `state`."""
+    a sharded checkpoint written under any layout, or from a one-process checkpoint; all
+    ranks call it. Works without a process group too (one process, a plain Transformer and
+    its AdamW). Returns `state`."""
     path = Path(path)
     if not is_sharded(path):
         if (path / "model.safetensors").is_file() and (path / "optimizer.pt").is_file():
