@@ -93,8 +93,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def load_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """Restore model (and optimizer, RNG) in place; return the saved state."""
+    """Restore model (and optimizer, RNG) in place; return the saved state. A sharded
+    checkpoint (written under torchrun) loads too, into this one process."""
     path = Path(path)
+    from ember.train.dist_checkpoint import is_sharded, load_sharded  # it imports this module
+
+    if is_sharded(path):
+        return load_sharded(path, [model], [optimizer] if optimizer is not None else None)
     load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))

@@ -1,0 +1,261 @@
+"""Sharded checkpoints: saved under one layout, loaded under another or in one process,
+with parameters and AdamW states exactly equal and the next step's losses unchanged.
+
+Two launches of real processes (gloo, CPU) are shared by the tests: 4 ranks (FSDP x4
+saves) then 2 ranks (FSDP x2 and two pipeline-style ranks save; tensor parallel x2 and
+FSDP x2 load). See dist_checkpoint_worker.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.eval.run import load_weights
+from ember.model.transformer import Transformer
+from ember.train import dist_checkpoint as dc
+from ember.train.checkpoint import latest_checkpoint, load_checkpoint
+
+WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
+_spec = importlib.util.spec_from_file_location("dist_checkpoint_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(launch: str, world: int, work: Path) -> dict[str, str]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(dc.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), launch, str(work)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    results = work / f"results_{launch}.json"
+    assert all(p.returncode == 0 for p in procs) and results.is_file(), "\n".join(logs)[-4000:]
+    return json.loads(results.read_text())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    work = tmp_path_factory.mktemp("dcp")
+    worker.save_single_process(work)
+    results = _launch("dp4", 4, work)
+    results.update(_launch("two", 2, work))
+    return work, results
+
+
+def _check(results: dict[str, str], *labels: str) -> None:
+    for label in labels:
+        assert results[label] == "ok", f"{label}:\n{results[label]}"
+
+
+def test_zero3_x2_checkpoint_resumes_under_tensor_parallel_x2(saved):
+    _check(saved[1], "save_fsdp2", "tp2_from_fsdp2")
+
+
+def test_dp4_checkpoint_resumes_under_fsdp_x2(saved):
+    _check(saved[1], "save_fsdp4", "fsdp2_from_dp4")
+
+
+def test_dp4_checkpoint_resumes_under_hybrid_sharding(saved):
+    _check(saved[1], "save_fsdp4", "hsdp2x2_from_dp4")
+
+
+def test_zero3_checkpoint_resumes_under_ddp(saved):
+    _check(saved[1], "save_fsdp2", "ddp2_from_fsdp2")
+
+
+def test_one_process_checkpoint_resumes_under_zero3_x2(saved):
+    _check(saved[1], "fsdp2_from_single")
+
+
+def test_one_process_checkpoint_resumes_as_pipeline_parts(saved):
+    work = saved[0]
+    model = worker.plain_model()
+    parts = [part for rank_parts in worker.pipeline_parts(model) for part in rank_parts]
+    optimizers = [worker.adamw(part) for part in parts]
+    state = dc.load_sharded(work / "single" / "checkpoints" / "step_00000001", parts, optimizers)
+    assert state == {"progress": {"step": 1}, "data": {"position": 17}}
+    ref = torch.load(work / "ref_single.pt", weights_only=True)
+    worker.assert_same_state(worker.full_state(parts, optimizers), ref["state"])
+    worker.assert_same_losses(worker.continuation(model, optimizers), ref["losses"])
+
+
+def _assert_restored(model: Transformer, opt: torch.optim.Optimizer, ref: dict) -> None:
+    """Compares through the plain model and optimizer, not the state-dict helpers the
+    checkpoint code itself uses."""
+    want = ref["state"]
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), want["model." + name]), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[param][key], want[f"optim.state.{name}.{key}"]), (name, key)
+    assert opt.state[next(model.parameters())]["step"].item() == 1
+    worker.assert_same_losses(worker.continuation(model, [opt]), ref["losses"])
+
+
+def test_zero3_checkpoint_resumes_in_one_process(saved):
+    work, results = saved
+    _check(results, "save_fsdp2")
+    model = worker.plain_model()
+    opt = worker.adamw(model)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    # The single-process loader dispatches on the folder's kind.
+    state = load_checkpoint(latest_checkpoint(work / "fsdp2"), model, opt)
+    assert torch.equal(torch.rand(3), expected_draw), "RNG of a 2-rank run must not be applied to 1 process"
+    assert state == {"progress": {"step": 1}, "data": {"position": 17}}
+    _assert_restored(model, opt, torch.load(work / "ref_fsdp2.pt", weights_only=True))
+
+
+def test_pipeline_parts_resume_as_whole_model_in_one_process(saved):
+    work, results = saved
+    _check(results, "save_pp2")
+    model = worker.plain_model()
+    opt = worker.adamw(model)
+    path = latest_checkpoint(work / "pp2")
+    assert dc.is_sharded(path)
+    assert dc.load_sharded(path, [model], [opt]) == {"progress": {"step": 1}}
+    _assert_restored(model, opt, torch.load(work / "ref_pp2.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "pp2", "dp4", "tp2_from_fsdp2", "hsdp2x2_from_dp4"])
+def test_full_model_gathered_from_shards_and_stages_is_what_eval_reads(saved, name):
+    work, results = saved
+    _check(results, "save_fsdp2", "save_fsdp4", "save_pp2", "tp2_from_fsdp2", "hsdp2x2_from_dp4")
+    ref = torch.load(work / f"ref_{name.split('_from_')[-1]}.pt", weights_only=True)["state"]
+    model = Transformer(worker.CFG)
+    load_weights(model, work / f"{name}.safetensors")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, ref["model." + key]), key
+
+
+def test_tied_weights_from_two_stages_are_stored_once(tmp_path):
+    cfg = _tied_config()
+    torch.manual_seed(0)
+    tied = Transformer(cfg)
+    first = worker.Part(tied, [0, 1], embed=True)
+    last = worker.Part(tied, [], head=True)
+    last.head = torch.nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
+    with torch.no_grad():
+        last.head.weight.copy_(tied.embed.weight)  # a later stage's own copy, kept in sync
+    dc.save_full_model([first, last], tmp_path / "model.safetensors")
+    restored = Transformer(cfg)
+    load_weights(restored, tmp_path / "model.safetensors")
+    assert restored.head.weight is restored.embed.weight
+    assert torch.equal(restored.embed.weight, tied.embed.weight)
+
+
+def _tied_config():
+    return worker.CFG.__class__(**{**worker.CFG.__dict__, "tie_embeddings": True})
+
+
+def test_tied_model_checkpoint_loads_into_stages_holding_embedding_and_head_apart(tmp_path):
+    cfg = _tied_config()
+    torch.manual_seed(0)
+    tied = Transformer(cfg)
+    opt = worker.adamw(tied)
+    worker.train_step(tied, [opt], worker.batches()[0])
+    path = dc.save_sharded(tmp_path, 1, [tied], [opt], {})
+
+    torch.manual_seed(1)
+    other = Transformer(cfg)
+    first = worker.Part(other, [0, 1], embed=True)
+    last = worker.Part(other, [], head=True)
+    last.head = torch.nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)  # the last stage's own copy
+    optimizers = [worker.adamw(first), worker.adamw(last)]
+    dc.load_sharded(path, [first, last], optimizers)
+    shared = opt.state[tied.embed.weight]
+    for module, part_opt in ((first.embed, optimizers[0]), (last.head, optimizers[1])):
+        assert torch.equal(module.weight, tied.embed.weight)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(part_opt.state[module.weight][key], shared[key]), key
+
+
+def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):
+    model = worker.plain_model()
+    opt = worker.adamw(model)
+    data = worker.batches()
+    worker.train_step(model, [opt], data[0])
+    dc.save_sharded(tmp_path, 1, [model], [opt], {"progress": {"step": 1}})
+    at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    worker.train_step(model, [opt], data[1])
+
+    real_replace = os.replace
+
+    def crash_before_publish(src, dst):
+        if Path(dst).name == "step_00000002":
+            raise KeyboardInterrupt("killed between writing and renaming")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(dc.os, "replace", crash_before_publish)
+    with pytest.raises(KeyboardInterrupt):
+        dc.save_sharded(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
+    monkeypatch.setattr(dc.os, "replace", real_replace)
+
+    assert (tmp_path / "checkpoints" / "step_00000002.tmp" / ".metadata").is_file()  # fully written
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    fresh = worker.plain_model()
+    assert load_checkpoint(latest_checkpoint(tmp_path), fresh, worker.adamw(fresh)) == {"progress": {"step": 1}}
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, at_step_1[key]), key
+
+    # The next save of that step replaces the leftover, and old checkpoints are pruned.
+    dc.save_sharded(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
+    dc.save_sharded(tmp_path, 3, [model], [opt], {"progress": {"step": 3}}, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000003"]
+
+
+def test_is_sharded_tells_the_two_formats_apart(tmp_path):
+    from ember.train.checkpoint import save_checkpoint
+
+    model = worker.plain_model()
+    plain = save_checkpoint(tmp_path / "a", 1, model, worker.adamw(model), {})
+    sharded = dc.save_sharded(tmp_path / "b", 1, [model], [worker.adamw(model)], {})
+    assert not dc.is_sharded(plain) and dc.is_sharded(sharded)
+    with pytest.raises(FileNotFoundError):
+        dc.load_sharded(tmp_path, [model], None)
+
+
+def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(tmp_path):
+    from ember.config import Config, ConfigError, to_toml
+    from ember.train.checkpoint import save_checkpoint
+
+    model = worker.plain_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    worker.train_step(model, [opt], worker.batches()[0])
+    path = dc.save_sharded(tmp_path, 1, [model], [opt], {})
+    wider = Transformer(worker.CFG.__class__(**{**worker.CFG.__dict__, "hidden": 64}))
+    with pytest.raises(ConfigError, match="Size mismatch.*embed.weight"):
+        dc.load_sharded(path, [wider], [worker.adamw(wider)])
+
+    plain = save_checkpoint(tmp_path / "plain", 1, model, opt, {})
+    (tmp_path / "plain" / "config.toml").write_text(to_toml(Config(model=worker.CFG)))
+    with pytest.raises(ConfigError, match="embed.weight of shape"):
+        dc.load_sharded(plain, [wider], [worker.adamw(wider)])
+
+    same = worker.plain_model()
+    other_kernels = torch.optim.AdamW(same.parameters(), lr=1e-3, foreach=True)
+    dc.load_sharded(path, [same], [other_kernels])
+    assert other_kernels.param_groups[0]["foreach"] is True
+    assert other_kernels.param_groups[0]["lr"] == 1e-2  # training state does come from the checkpoint
