@@ -20,6 +20,7 @@ from ember.config import Config, ConfigError, load_config
 from ember.data import load_tokenizer, special_token_ids
 from ember.model import Transformer
 from ember.train.checkpoint import latest_checkpoint
+from ember.train.dist_checkpoint import is_sharded
 
 
 @dataclass
@@ -45,8 +46,15 @@ class Run:
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """`path` is a model.safetensors file, or a sharded checkpoint folder written under
+    torchrun (any layout loads into the one-process model)."""
     from safetensors.torch import load_model
 
+    if path.is_dir():
+        from ember.train.dist_checkpoint import load_sharded
+
+        load_sharded(path, [model], None)
+        return
     try:
         # load_model restores tied weights that save_model stored once.
         load_model(model, str(path), strict=True, device="cpu")
@@ -65,12 +73,17 @@ def _locate(path: Path) -> tuple[Path, Path]:
         if newest is None:
             raise ConfigError(f"{path} holds no model.safetensors and no complete checkpoint yet; "
                               "let the run save a checkpoint first.")
-        return path, newest / "model.safetensors"
+        return path, _weights_in(newest)
     run_dir = path.parent.parent  # RUN_DIR/checkpoints/step_N
-    if (path / "model.safetensors").is_file() and (run_dir / "config.toml").is_file():
-        return run_dir, path / "model.safetensors"
+    if (run_dir / "config.toml").is_file() and ((path / "model.safetensors").is_file() or is_sharded(path)):
+        return run_dir, _weights_in(path)
     raise ConfigError(f"{path} is not an ember run directory (no config.toml); "
                       "pass the --out folder of `ember train` or one of its checkpoints/step_* folders.")
+
+
+def _weights_in(checkpoint: Path) -> Path:
+    """A one-process checkpoint's weights file, or a sharded checkpoint's folder."""
+    return checkpoint if is_sharded(checkpoint) else checkpoint / "model.safetensors"
 
 
 def tokenizer_sha256(path: Path) -> str:
