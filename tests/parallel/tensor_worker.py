@@ -182,6 +182,23 @@ def main(out_path: str) -> None:
         record["tied"], record["norm_tokens"] = True, seen[0]
         records[f"stages-mlm-learned-swiglu/{'tp2+sp' if sp else 'tp2'}"] = record
 
+    # torch.compile'd blocks (as train.compile does), through AOT autograd without code
+    # generation: the embedding's output must reach the compiled block as a tensor of its own.
+    cfg = config(objective="causal", positions="rotary", activation="swiglu", tie_embeddings=True, layers=1)
+    data = batches(cfg)
+    torch.manual_seed(0)
+    reference = Transformer(cfg)
+    model = copy.deepcopy(reference)
+    ref = train(reference, data, whole_model_step(reference))
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    seen = []
+    model.blocks[0].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    record = compare(ref, train(model, data, whole_model_step(model)))
+    record["tied"], record["norm_tokens"] = model.head.weight is model.embed.weight, seen[0]
+    records["compiled-causal-rotary-swiglu-tied/tp2+sp"] = record
+
     # A sequence that does not split evenly over the ranks gets one sentence.
     model = copy.deepcopy(parallel)
     apply_tensor_parallel(model, mesh, sequence_parallel=True)

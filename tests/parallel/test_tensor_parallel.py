@@ -15,6 +15,7 @@ from ember.parallel.tensor import check_tensor_parallel
 WORKER = Path(__file__).with_name("tensor_worker.py")
 CONFIGS = ["mlm-learned-gelu-tied-bias", "mlm-rotary-swiglu-untied", "mlm-dense-sinusoidal-geglu-tied",
            "causal-rotary-swiglu-tied", "causal-learned-gelu-untied-bias", "stages-mlm-learned-swiglu"]
+COMPILED = "compiled-causal-rotary-swiglu-tied"
 RTOL = 1e-5
 
 
@@ -33,10 +34,16 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("mode", ["tp2", "tp2+sp"])
-@pytest.mark.parametrize("case", CONFIGS)
-def test_training_matches_one_process(results, case, mode):
-    r = results["cases"][f"{case}/{mode}"]
+CASES = [f"{config}/{mode}" for config in CONFIGS for mode in ("tp2", "tp2+sp")] + [f"{COMPILED}/tp2+sp"]
+
+
+def test_every_case_ran(results):
+    assert sorted(results["cases"]) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_matches_one_process(results, case):
+    r = results["cases"][case]
     assert len(r["losses"]) == len(r["ref_losses"]) == 3
     for got, want in zip(r["losses"], r["ref_losses"]):
         assert _rel(got, want) < RTOL, (r["losses"], r["ref_losses"])
@@ -48,7 +55,7 @@ def test_training_matches_one_process(results, case, mode):
     assert r["param_rel"] < RTOL, f"{r['worst_param']} differs by {r['param_rel']:.2e} (relative)"
     assert r["tied"], "tying of the head and the embedding changed"
     # Sequence parallelism: the norms inside a block see half the sequence per rank.
-    assert r["norm_tokens"] == (4 if mode == "tp2+sp" else 8)
+    assert r["norm_tokens"] == (4 if case.endswith("+sp") else 8)
 
 
 def test_uneven_sequence_is_refused_with_a_sentence(results):
