@@ -89,8 +89,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
         parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
                                                            output_layouts=Replicate()))
         # The output is a view of the DTensor's local tensor; fed as such into a
-        # torch.compile'd block, its gradient reaches the DTensor as a plain tensor and
-        # backward fails (PyTorch 2.13). A copy of one [B, T, hidden] tensor avoids it.
+        # torch.compile'd block, backward fails or, with sequence parallelism, silently
+        # yields wrong gradients (seen on PyTorch 2.13). A copy of one [B, T, hidden]
+        # tensor avoids it.
         embed.register_forward_hook(lambda _m, _args, out: out.clone())
     if getattr(module, "pos_embed", None) is not None:
         _replicate(module.pos_embed, tp_mesh)
