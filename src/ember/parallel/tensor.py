@@ -191,14 +191,16 @@ def _take_sequence_slice(mesh: DeviceMesh):
         if x.shape[1] % mesh.size():
             raise ConfigError(f"sequence parallelism needs a sequence length divisible by parallel.tp "
                               f"({mesh.size()}), got {x.shape[1]}.")
-        # Replicate -> Shard(1) keeps this rank's slice; its backward all-gathers.
+        # Replicate -> Shard(1) keeps this rank's slice; its backward all-gathers. The
+        # copy keeps a view of a DTensor out of a compiled block (see the embedding).
         dx = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-        return (dx.redistribute(mesh, (Shard(1),)).to_local(), *args[1:])
+        return (dx.redistribute(mesh, (Shard(1),)).to_local().clone(), *args[1:])
     return hook
 
 
 def _gather_sequence(mesh: DeviceMesh):
     def hook(_module: nn.Module, _args: tuple, output):
         dx = DTensor.from_local(output, mesh, (Shard(1),), run_check=False)
-        return dx.redistribute(mesh, (Replicate(),)).to_local()
+        # A tensor of its own, not a view of the DTensor's (FSDP warns about views).
+        return dx.redistribute(mesh, (Replicate(),)).to_local().clone()
     return hook
