@@ -86,8 +86,18 @@ def whole_model_step(model: nn.Module):
         with loss_parallel_context(model):
             loss = model(ids, labels, reduction="sum")
             (loss * scale).backward()
+        check_grad_layouts(model)
         return loss.detach()
     return step
+
+
+GRAD_LAYOUTS: list[str] = []  # parameters whose gradient came back in another layout
+
+
+def check_grad_layouts(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and p.grad.placements != p.placements:
+            GRAD_LAYOUTS.append(f"{name}: {p.grad.placements} for {p.placements}")
 
 
 class Stage(nn.Module):
@@ -130,6 +140,8 @@ def two_stage_step(first: Stage, last: Stage):
             (loss * scale).backward()
         with loss_parallel_context(first):
             sent.backward(received.grad)
+        check_grad_layouts(first)
+        check_grad_layouts(last)
         return loss.detach()
     return step
 
@@ -212,7 +224,7 @@ def main(out_path: str) -> None:
 
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"cases": records, "uneven": uneven}, f, indent=1)
+            json.dump({"cases": records, "uneven": uneven, "grad_layouts": sorted(set(GRAD_LAYOUTS))}, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -58,6 +58,11 @@ def test_training_matches_one_process(results, case):
     assert r["norm_tokens"] == (4 if case.endswith("+sp") else 8)
 
 
+def test_gradients_come_back_in_their_parameters_layout(results):
+    # Sharded like the parameter (the embedding's), reduced (sequence-parallel norms).
+    assert results["grad_layouts"] == []
+
+
 def test_uneven_sequence_is_refused_with_a_sentence(results):
     assert results["uneven"] == ("sequence parallelism needs a sequence length divisible by "
                                  "parallel.tp (2), got 7.")

@@ -119,6 +119,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     if plain:
         raise ValueError(f"apply_tensor_parallel left parameters unsplit: {', '.join(plain)}; "
                          "this module has parts the tensor-parallel plan does not know.")
+    for param in module.parameters():
+        if param.requires_grad:
+            param.register_hook(_in_layout(param.device_mesh, param.placements))
 
 
 def loss_parallel_context(module_or_flag: Any) -> contextlib.AbstractContextManager:
@@ -131,6 +134,19 @@ def loss_parallel_context(module_or_flag: Any) -> contextlib.AbstractContextMana
     else:
         active = any(getattr(m, _LOSS_PARALLEL_MARK, False) for m in module_or_flag.modules())
     return loss_parallel() if active else contextlib.nullcontext()
+
+
+def _in_layout(mesh: DeviceMesh, placements: tuple):
+    """A gradient in its parameter's layout. DTensor leaves the embedding's gradient
+    replicated (a full vocab x hidden tensor on every rank) and the sequence-parallel
+    norms' gradients as unreduced partial sums; code that pairs a parameter's local shard
+    with its gradient's (optimizers, tied-weight sums, norms) then sees the wrong thing.
+    Slicing the first is free; the second costs one small all-reduce per norm parameter."""
+    def hook(grad):
+        if isinstance(grad, DTensor) and grad.placements != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+    return hook
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
