@@ -147,6 +147,8 @@ def two_stage_step(first: Stage, last: Stage):
 
 
 def compare(ref: dict, got: dict) -> dict:
+    # k_proj.bias adds q.b to every score of a query, which softmax ignores: its exact
+    # gradient is zero, and AdamW turns each run's rounding noise into steps of size lr.
     diffs = {name: float((got["params"][name] - p).norm() / p.norm()) for name, p in ref["params"].items()
              if not name.endswith("k_proj.bias")}
     return {"ref_losses": ref["losses"], "losses": got["losses"], "ref_norms": ref["norms"],
