@@ -87,7 +87,8 @@ def test_a_splittable_model_passes():
     ({"hidden": 66, "heads": 2}, 2, False, None),  # divisible: no error
     ({"mlp_hidden": 250}, 4, False, "model.mlp_hidden (250) must be divisible by parallel.tp (4)"),
     ({"vocab_size": 1001, "vocab_multiple": 10}, 4, False, "the padded vocabulary (1010)"),
-    ({"vocab_size": 0, "vocab_multiple": 6}, 4, False, "the padded vocabulary (6)"),
+    ({"vocab_size": 0, "vocab_multiple": 6}, 4, False, "model.vocab_multiple (6) must be a multiple of parallel.tp (4)"),
+    ({"vocab_size": 1001, "vocab_multiple": 6}, 4, False, "set model.vocab_multiple (now 6"),
 ])
 def test_validation_sentences(overrides, tp, sp, words):
     if words is None:

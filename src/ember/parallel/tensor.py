@@ -62,8 +62,13 @@ def check_tensor_parallel(model: ModelConfig, tp: int, sp: bool) -> None:
     if model.mlp_hidden % tp:
         raise ConfigError(f"model.mlp_hidden ({model.mlp_hidden}) must be divisible by parallel.tp ({tp}): "
                           "each tensor-parallel rank holds mlp_hidden/tp channels of the MLP.")
-    # An unresolved vocabulary (0) will be padded to a multiple of vocab_multiple.
-    padded = model.padded_vocab if model.vocab_size > 0 else model.vocab_multiple
+    if model.vocab_size <= 0:  # not known yet: only a multiple of tp is sure to split
+        if model.vocab_multiple % tp:
+            raise ConfigError(
+                f"model.vocab_multiple ({model.vocab_multiple}) must be a multiple of parallel.tp ({tp}): the "
+                f"vocabulary is padded up to a multiple of it and split over the tensor-parallel ranks.")
+        return
+    padded = model.padded_vocab
     if padded % tp:
         raise ConfigError(
             f"the padded vocabulary ({padded}) must be divisible by parallel.tp ({tp}) to split the "
