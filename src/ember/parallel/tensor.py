@@ -1,0 +1,227 @@
+"""Tensor and sequence parallelism for the plain Transformer, through DTensor.
+
+Megatron-style splits applied from outside the model with `parallelize_module`:
+attention q/k/v and MLP up/gate are column-parallel (each rank holds heads/tp heads and
+mlp_hidden/tp channels), o_proj and down are row-parallel (their partial sums are
+all-reduced, or reduce-scattered over the sequence under sequence parallelism). The token
+embedding is split over the vocabulary (row-parallel embedding: each rank looks up the
+ids in its slice, the partial rows are summed) and so is the output layer, whose logits
+stay sharded on the vocabulary and go straight into a vocabulary-parallel cross-entropy
+(`loss_parallel`), so full-vocabulary logits never exist on one rank.
+
+Every module boundary (embedding output, the input and output of a run of blocks, hence
+of a pipeline stage, and the trunk's output that the masked LM indexes with `h[keep]`)
+carries a plain, replicated [B, T, hidden] tensor. Sequence parallelism lives inside a
+run of blocks only: the first block takes its sequence slice (no communication), the
+norms and residual dropouts run on [B, T/tp, hidden] slices, and the last block's output
+is all-gathered once. This keeps the model free of distributed code.
+
+Every parameter becomes a DTensor on the tp mesh (sharded or replicated), so
+`clip_grad_norm_`, optimizers, FSDP and torch.distributed.checkpoint see one kind of
+tensor; a tied head and embedding (both sharded on the vocabulary) stay one Parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from ember.config import ConfigError, ModelConfig
+
+# Set on an output layer whose logits are vocabulary-sharded: its loss and backward must
+# run under loss_parallel (found again through any wrapper by walking .modules()).
+_LOSS_PARALLEL_MARK = "_ember_loss_parallel"
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, sp: bool) -> None:
+    """Refuses, with one sentence, a model that cannot be split over `tp` ranks."""
+    if tp < 1:
+        raise ConfigError(f"parallel.tp must be at least 1, got {tp}.")
+    if sp and tp == 1:
+        raise ConfigError("parallel.sp (sequence parallelism) needs parallel.tp > 1: "
+                          "it splits the sequence over the tensor-parallel ranks.")
+    if tp == 1:
+        return
+    if model.heads % tp:
+        raise ConfigError(f"model.heads ({model.heads}) must be divisible by parallel.tp ({tp}): "
+                          "each tensor-parallel rank computes whole attention heads.")
+    if model.hidden % tp:
+        raise ConfigError(f"model.hidden ({model.hidden}) must be divisible by parallel.tp ({tp}).")
+    if model.mlp_hidden % tp:
+        raise ConfigError(f"model.mlp_hidden ({model.mlp_hidden}) must be divisible by parallel.tp ({tp}): "
+                          "each tensor-parallel rank holds mlp_hidden/tp channels of the MLP.")
+    if model.vocab_size <= 0:  # not known yet: only a multiple of tp is sure to split
+        if model.vocab_multiple % tp:
+            raise ConfigError(
+                f"model.vocab_multiple ({model.vocab_multiple}) must be a multiple of parallel.tp ({tp}): the "
+                f"vocabulary is padded up to a multiple of it and split over the tensor-parallel ranks.")
+        return
+    padded = model.padded_vocab
+    if padded % tp:
+        raise ConfigError(
+            f"the padded vocabulary ({padded}) must be divisible by parallel.tp ({tp}) to split the "
+            f"embedding and output layer over the vocabulary; set model.vocab_multiple "
+            f"(now {model.vocab_multiple}, the vocabulary is padded up to a multiple of it) to a multiple of {tp}.")
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Splits, in place, whichever of `embed`, `pos_embed`, `blocks` (nn.ModuleList or an
+    nn.ModuleDict keyed by layer index), `norm` and `head` the module has (the whole
+    Transformer or a pipeline stage) over the 1-D `tp_mesh`. Build the model identically
+    on every rank first (rank 0's values are the ones distributed); check the config with
+    check_tensor_parallel beforehand. Run forward and backward under
+    loss_parallel_context(module)."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh, got a {tp_mesh.ndim}-D mesh.")
+    embed, head = getattr(module, "embed", None), getattr(module, "head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+
+    if embed is not None:
+        # Each rank looks up the ids of its vocabulary slice (zeros elsewhere); the
+        # partial rows are summed, giving every rank the full embedding output.
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                           output_layouts=Replicate()))
+        # The output is a view of the DTensor's local tensor; fed as such into a
+        # torch.compile'd block, backward fails or, with sequence parallelism, silently
+        # yields wrong gradients (seen on PyTorch 2.13). A copy of one [B, T, hidden]
+        # tensor avoids it.
+        embed.register_forward_hook(lambda _m, _args, out: out.clone())
+    if getattr(module, "pos_embed", None) is not None:
+        _replicate(module.pos_embed, tp_mesh)
+
+    blocks = _blocks(module)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, _block_plan(block, tp_mesh, sequence_parallel))
+    if sequence_parallel and blocks:
+        blocks[0].register_forward_pre_hook(_take_sequence_slice(tp_mesh))
+        blocks[-1].register_forward_hook(_gather_sequence(tp_mesh))
+
+    if getattr(module, "norm", None) is not None:
+        _replicate(module.norm, tp_mesh)
+    if head is not None:
+        # Logits stay sharded on the vocabulary (a DTensor) for loss_parallel.
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                          use_local_output=False))
+        setattr(head, _LOSS_PARALLEL_MARK, True)
+        if tied:
+            # Both layers shard the [vocab, hidden] weight on the vocabulary (Shard(0)),
+            # so one Parameter serves both, as before.
+            head.weight = embed.weight
+
+    plain = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(f"apply_tensor_parallel left parameters unsplit: {', '.join(plain)}; "
+                         "this module has parts the tensor-parallel plan does not know.")
+    for param in module.parameters():
+        if param.requires_grad:
+            param.register_hook(_in_layout(param.device_mesh, param.placements))
+
+
+def loss_parallel_context(module_or_flag: Any) -> contextlib.AbstractContextManager:
+    """The context forward and backward must both run under: loss_parallel when the
+    module (or anything it wraps) has a vocabulary-parallel output layer, or when given
+    True; a no-op otherwise (no tensor parallelism, or a pipeline stage without the head).
+    Under it, the model's loss is a replicated DTensor: take `.full_tensor()` for a value."""
+    if isinstance(module_or_flag, bool):
+        active = module_or_flag
+    else:
+        active = any(getattr(m, _LOSS_PARALLEL_MARK, False) for m in module_or_flag.modules())
+    return loss_parallel() if active else contextlib.nullcontext()
+
+
+def _in_layout(mesh: DeviceMesh, placements: tuple):
+    """A gradient in its parameter's layout. DTensor leaves the embedding's gradient
+    replicated (a full vocab x hidden tensor on every rank) and the sequence-parallel
+    norms' gradients as unreduced partial sums; code that pairs a parameter's local shard
+    with its gradient's (optimizers, tied-weight sums, norms) then sees the wrong thing.
+    Slicing the first is free; the second costs one small all-reduce per norm parameter."""
+    def hook(grad):
+        if isinstance(grad, DTensor) and grad.placements != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+    return hook
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The blocks in the order the forward runs them."""
+    blocks = getattr(module, "blocks", None)
+    if blocks is None:
+        return []
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
+def _block_plan(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, Any]:
+    # Under sequence parallelism the residual stream between the sub-layers is a
+    # [B, T/tp, hidden] slice: the norms run on it, the attention and MLP inputs are
+    # all-gathered (backward: reduce-scattered), and the row-parallel outputs are
+    # reduce-scattered instead of all-reduced. Without it the stream is replicated.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    # One DTensor input per sub-layer, shared by q/k/v (up/gate): their input gradients
+    # add up as partial sums and are reduced once, not once per projection.
+    plan: dict[str, Any] = {
+        "attn": PrepareModuleInput(input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)),
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=stream),
+        "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=stream),
+    }
+    if getattr(block.mlp, "gate", None) is not None:
+        plan["mlp.gate"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["attn_norm"] = SequenceParallel(use_local_output=True)
+        plan["mlp_norm"] = SequenceParallel(use_local_output=True)
+    else:
+        _replicate(block.attn_norm, mesh)
+        _replicate(block.mlp_norm, mesh)
+    return plan
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters replicated on every rank (as DTensors, rank 0's values), computing on
+    the full, replicated input: norms outside sequence parallelism, learned positions."""
+    distribute_module(module, mesh, None, _replicated_input, _local_output)
+
+
+def _replicated_input(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if not isinstance(x, DTensor) else x
+                 for x in inputs)
+
+
+def _local_output(_module: nn.Module, output: DTensor, _mesh: DeviceMesh):
+    return output.to_local()
+
+
+def _take_sequence_slice(mesh: DeviceMesh):
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if x.shape[1] % mesh.size():
+            raise ConfigError(f"sequence parallelism needs a sequence length divisible by parallel.tp "
+                              f"({mesh.size()}), got {x.shape[1]}.")
+        # Replicate -> Shard(1) keeps this rank's slice; its backward all-gathers. The
+        # copy keeps a view of a DTensor out of a compiled block (see the embedding).
+        dx = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return (dx.redistribute(mesh, (Shard(1),)).to_local().clone(), *args[1:])
+    return hook
+
+
+def _gather_sequence(mesh: DeviceMesh):
+    def hook(_module: nn.Module, _args: tuple, output):
+        dx = DTensor.from_local(output, mesh, (Shard(1),), run_check=False)
+        # A tensor of its own, not a view of the DTensor's (FSDP warns about views).
+        return dx.redistribute(mesh, (Replicate(),)).to_local().clone()
+    return hook
