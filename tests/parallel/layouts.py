@@ -1,0 +1,24 @@
+"""The layouts checked against one process. Each is a name, the `--set` values that make it,
+and the ember.parallel modules it needs (left out, with their launch, where this build
+lacks them). Add a layout by adding a line."""
+
+# Run in one launch of 2 processes.
+TWO_RANKS = [
+    {"name": "dp2", "set": {"parallel.zero": 0}},
+    {"name": "zero1x2", "set": {"parallel.zero": 1}},
+    {"name": "zero2x2", "set": {"parallel.zero": 2}},
+    {"name": "zero3x2", "set": {"parallel.zero": 3}},
+    {"name": "zero3x2+full-recompute", "set": {"parallel.zero": 3, "parallel.recompute": "full"}},
+    {"name": "tp2", "set": {"parallel.tp": 2}, "needs": ["tensor"]},
+    {"name": "tp2+sp", "set": {"parallel.tp": 2, "parallel.sp": True}, "needs": ["tensor"]},
+]
+
+# Run in one launch of 4 processes.
+FOUR_RANKS = [
+    {"name": "hybrid2x2-zero3", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3}},
+    {"name": "hybrid2x2-zero1", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1}},
+    {"name": "dp2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 1}, "needs": ["tensor"]},
+]
+
+OBJECTIVES = ("causal", "mlm")
+STEPS = 3
