@@ -105,7 +105,7 @@ class ParallelConfig:
     sp: bool = False  # sequence parallel (needs tp > 1)
     pp: int = 1  # pipeline stages
     vpp: int = 1  # virtual stages per pipeline rank (interleaved)
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zero_bubble
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
     recompute: str = "none"  # activation checkpointing: none, selective, full
 
 
@@ -129,7 +129,7 @@ _CHOICES = {
     "model.positions": ("learned", "sinusoidal", "rotary"),
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
 }
 
@@ -259,9 +259,9 @@ def validate_parallel(p: ParallelConfig) -> None:
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp (sequence parallel) splits the work of tensor parallelism, "
                           "so it needs parallel.tp > 1.")
-    if p.vpp > 1 and p.schedule != "interleaved":
-        raise ConfigError(f"parallel.vpp={p.vpp} (virtual stages) needs parallel.schedule=interleaved, "
-                          f"not {p.schedule!r}.")
+    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel.vpp={p.vpp} (virtual stages) needs parallel.schedule=interleaved "
+                          f"(or a zero-bubble schedule), not {p.schedule!r}.")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1.")
 

@@ -17,7 +17,7 @@ from layouts import FOUR_RANKS, OBJECTIVES, STEPS, TWO_RANKS
 
 # Dropout off (its draws depend on the rank), fp32, a global batch every layout can split.
 COMMON = TINY + ["model.dropout=0", "train.precision=fp32", "train.device=cpu", "train.global_batch=8",
-                 "train.micro_batch=2", "model.heads=4", "optim.clip=1.0"]
+                 "train.micro_batch=2", "model.heads=4", "model.layers=4", "optim.clip=1.0"]
 RECIPE = str(REPO / "configs/tiny-gpt.toml")
 LR = 1e-3
 WORKER = REPO / "tests/parallel/worker.py"

@@ -60,6 +60,11 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> to
     return total
 
 
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed under tensor parallel's loss_parallel is a replicated DTensor."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
+
+
 def _device_of(parts: list[nn.Module]) -> torch.device:
     for part in parts:
         for p in part.parameters():
@@ -92,7 +97,7 @@ class LocalEngine(Engine):
                 with autocast(self.device, self.amp_dtype):
                     part = self.module(inputs[start:end], labels[start:end], reduction="sum")
                 (part * factor).backward()
-            total += part.detach().float()
+            total += _plain(part.detach()).float()
         return total
 
     @torch.no_grad()
@@ -102,7 +107,7 @@ class LocalEngine(Engine):
         for start in range(0, len(inputs), self.micro_batch):
             end = start + self.micro_batch
             with self.loss_context(), autocast(self.device, self.amp_dtype):
-                total += self.module(inputs[start:end], labels[start:end], reduction="sum").double()
+                total += _plain(self.module(inputs[start:end], labels[start:end], reduction="sum")).double()
         self.module.train()
         return total
 
@@ -145,9 +150,28 @@ def build_engine(cfg: Config, model: nn.Module, topo: Topology, device: torch.de
         pipeline = optional_module("pipeline")
         if pipeline is None:
             raise ConfigError("pipeline parallelism is not available in this build.")
-        return pipeline.build_pipeline_engine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device,
-                                              wrap, make_optimizer)
+        engine = pipeline.build_pipeline_engine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device,
+                                                wrap, make_optimizer)
+        return _Rescaled(engine, topo.size("dp")) if topo.size("dp") > 1 else engine
     module = wrap(model)
     # The optimizer is built after wrapping so that it holds the sharded parameters.
     return LocalEngine(module, make_optimizer(module), cfg.train.micro_batch, device, amp_dtype,
                        wrap.data_parallel[id(module)], wrap.loss_context(module))
+
+
+class _Rescaled(Engine):
+    """A pipeline engine whose stages `wrap` put under DDP/FSDP: those average gradients
+    over the dp ranks, so the scale handed down carries the dp size to make it a sum."""
+
+    def __init__(self, engine: Engine, factor: float):
+        self.engine, self.factor = engine, factor
+        self.parts, self.optimizers = engine.parts, engine.optimizers
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.engine.forward_backward(inputs, labels, scale * self.factor)
+
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.engine.loss_sum(inputs, labels)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.engine.clip_grad_norm(max_norm)

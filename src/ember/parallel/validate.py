@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 
 from ember.config import Config, ConfigError
 from ember.parallel.mesh import resolve_sizes
@@ -62,7 +63,10 @@ def check_layout(cfg: Config, world: int) -> dict[str, int]:
         pipeline = optional_module("pipeline")
         if pipeline is None:
             raise ConfigError("pipeline parallelism is not available in this build.")
-        pipeline.check_pipeline(cfg.model, p)
+        # Its optional checks: micro-batches per step and rank, and compiled stages.
+        extra = {"micro_batches": t.global_batch // (dp * t.micro_batch), "compile": t.compile}
+        accepted = inspect.signature(pipeline.check_pipeline).parameters
+        pipeline.check_pipeline(cfg.model, p, **{k: v for k, v in extra.items() if k in accepted})
     return sizes
 
 
