@@ -34,6 +34,9 @@ def test_torchrun_two_processes_writes_one_run(dataset, tmp_path):
     assert done.stdout.count("finished after 4 steps") == 1  # the summary from rank 0 only
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    for r in (r for r in records if "loss" in r):  # every step is logged, so every step is timed
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
+        assert r["forward_s"] + r["backward_s"] <= r["forward_backward_s"]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["peak_memory_gib"] > 0

@@ -9,6 +9,8 @@ trainer's step, schedule, clipping and logging are the same code for one process
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -23,9 +25,48 @@ from ember.parallel.validate import optional_module
 from ember.train.device import autocast
 
 
+class PhaseTimer:
+    """Seconds spent in the phases of the steps it is enabled for: CUDA events on a GPU
+    (read once the step is synchronised, so timing adds no wait), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self._events: list[tuple[str, object, object]] = []
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - begin
+
+    def read(self) -> dict[str, float]:
+        """{phase}_s of the timed steps since the last read; call after synchronising."""
+        for name, start, end in self._events:
+            self._seconds[name] += start.elapsed_time(end) / 1000
+        out = {f"{name}_s": round(value, 6) for name, value in self._seconds.items()}
+        self._events, self._seconds = [], defaultdict(float)
+        return out
+
+
+NO_TIMER = PhaseTimer(torch.device("cpu"))  # never enabled
+
+
 class Engine:
     parts: list[nn.Module]
     optimizers: list[Optimizer]
+    timer: PhaseTimer = NO_TIMER  # the trainer's; engines that can split their work time it
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
         raise NotImplementedError
@@ -94,9 +135,10 @@ class LocalEngine(Engine):
                 dp.set_sync(i == len(starts) - 1)
             end = start + self.micro_batch
             with self.loss_context():
-                with autocast(self.device, self.amp_dtype):
+                with self.timer.phase("forward"), autocast(self.device, self.amp_dtype):
                     part = self.module(inputs[start:end], labels[start:end], reduction="sum")
-                (part * factor).backward()
+                with self.timer.phase("backward"):
+                    (part * factor).backward()
             total += _plain(part.detach()).float()
         return total
 

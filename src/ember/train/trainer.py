@@ -19,7 +19,7 @@ import torch
 from ember.config import Budget, Config, ConfigError, parse_budget, parse_interval, to_toml
 from ember.data import Batches, held_out_seed, load_manifest, make_targets
 from ember.model import Transformer
-from ember.parallel.engine import build_engine
+from ember.parallel.engine import PhaseTimer, build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
 from ember.parallel.validate import check_layout, check_world
 from ember.plan.cost import model_flops_per_token
@@ -115,6 +115,7 @@ class Trainer:
         self.engine = build_engine(cfg, model.to(self.device), self.topo, self.device, self.amp_dtype,
                                    lambda module: build_optimizer(module, cfg.optim, self.device))
         self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
+        self.timer = self.engine.timer = PhaseTimer(self.device)
         self.dp_rank, self.dp_size = self.topo.coordinate("dp"), self.topo.size("dp")
         if self.dp_size > 1:  # dropout: other rows, other draws
             torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
@@ -165,12 +166,15 @@ class Trainer:
         # Normalise by the targets of the whole global batch, so that accumulation and data
         # parallelism equal one big batch on one device; summed on the host (gloo).
         count = int(self.topo.all_reduce(torch.tensor([local], dtype=torch.int64), ("dp",)))
-        loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count)
-        clip = self.cfg.optim.clip
-        norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
-        for optimizer in self.engine.optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        timer = self.timer
+        with timer.phase("forward_backward"):
+            loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count)
+        with timer.phase("optimizer"):
+            clip = self.cfg.optim.clip
+            norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
+            for optimizer in self.engine.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         loss_sum = self.topo.all_reduce(loss_sum, ("dp", "pp"))
         return loss_sum / count, norm, count  # tensors: read only when logged
 
@@ -232,6 +236,7 @@ class Trainer:
             lr = self.cfg.optim.lr * lr_factor(fraction, self.cfg.schedule)
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch)
             step_start = time.perf_counter()
+            self.timer.enabled = (progress.step + 1) % t.log_every == 0  # time the steps that are logged
             loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step += 1
@@ -245,7 +250,7 @@ class Trainer:
                     progress.elapsed_s = time.perf_counter() - start
                 window["seconds"] += time.perf_counter() - step_start
                 self.last_loss = float(loss)
-                record = self._record(progress, lr, grad_norm, window)
+                record = self._record(progress, lr, grad_norm, window) | self.timer.read()
                 log.write(record)
                 bar.update(progress.fraction(self.budget), self._bar_stats(record))
                 window = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
