@@ -65,9 +65,10 @@ def test_unavailable_modules_are_named():
             layout(2, "parallel.tp=2")
 
 
-def test_zero0_with_tensor_parallel_data_parallel_is_refused():
+@pytest.mark.parametrize("sets", [["parallel.tp=2", "model.heads=4"], ["parallel.pp=2"]])
+def test_ddp_with_tensor_or_pipeline_parallel_is_refused(sets):
     with pytest.raises(ConfigError, match="goes through FSDP2"):
-        layout(4, "parallel.tp=2", "model.heads=4")
+        layout(4, *sets)
 
 
 def test_resolve_sizes_takes_the_rest_for_dp_shard():

@@ -50,10 +50,11 @@ def check_layout(cfg: Config, world: int) -> dict[str, int]:
         raise ConfigError(
             f"parallel.zero={p.zero} shards model states over parallel.dp_shard ranks, and dp_shard is 1, so it "
             f"would save nothing; use parallel.zero=0 or a dp_shard above 1.")
-    if p.zero == 0 and p.tp > 1 and dp > 1:
+    if p.zero == 0 and (p.tp > 1 or p.pp > 1) and dp > 1:
+        # DDP takes neither DTensor parameters nor several forwards before a backward.
         raise ConfigError(
-            "data parallelism over tensor-parallel ranks goes through FSDP2, not DDP; set parallel.zero=1 "
-            "(or 2, 3) with parallel.tp > 1 and more than one data-parallel rank.")
+            "data parallelism combined with tensor or pipeline parallelism goes through FSDP2, not DDP; set "
+            "parallel.zero=1 (or 2, 3) when parallel.tp or parallel.pp is above 1 with several data-parallel ranks.")
     if p.tp > 1:
         tensor = optional_module("tensor")
         if tensor is None:
