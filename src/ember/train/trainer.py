@@ -234,7 +234,8 @@ class Trainer:
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
             lr = self.cfg.optim.lr * lr_factor(fraction, self.cfg.schedule)
-            n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch)
+            # Whole micro-batches on every data-parallel rank, however the ramp rounds.
+            n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch * self.dp_size)
             step_start = time.perf_counter()
             self.timer.enabled = (progress.step + 1) % t.log_every == 0  # time the steps that are logged
             loss, grad_norm, count = self.train_step(n, lr)
