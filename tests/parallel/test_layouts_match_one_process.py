@@ -37,7 +37,9 @@ def launch(nproc, layouts, dataset, out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(WORKER), str(dataset), str(out), str(out / "spec.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    if done.returncode != 0:  # the first rank's traceback is the cause; the others only lost a peer
+        first = max(done.stderr.find("Traceback"), 0)
+        pytest.fail(done.stderr[first:first + 5000], pytrace=False)
     return json.loads((out / "results.json").read_text())
 
 
