@@ -9,6 +9,7 @@ TWO_RANKS = [
     {"name": "zero2x2", "set": {"parallel.zero": 2}},
     {"name": "zero3x2", "set": {"parallel.zero": 3}},
     {"name": "zero3x2+full-recompute", "set": {"parallel.zero": 3, "parallel.recompute": "full"}},
+    {"name": "zero2x2+selective-recompute", "set": {"parallel.zero": 2, "parallel.recompute": "selective"}},
     {"name": "tp2", "set": {"parallel.tp": 2}, "needs": ["tensor"]},
     {"name": "tp2+sp", "set": {"parallel.tp": 2, "parallel.sp": True}, "needs": ["tensor"]},
     {"name": "pp2-gpipe", "set": {"parallel.pp": 2, "parallel.schedule": "gpipe"}, "needs": ["pipeline"]},

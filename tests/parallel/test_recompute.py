@@ -1,8 +1,12 @@
 """Activation checkpointing recomputes the same numbers: loss and gradients of a step with
-`full` and `selective` equal those without, and parameter names stay the plain model's."""
+`full` and `selective` equal those without, parameter names stay the plain model's, and
+each recomputes what it should in backward."""
+
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, TINY
 from ember.config import load_config
@@ -37,8 +41,41 @@ def test_recompute_gives_the_same_loss_and_gradients(dataset, tmp_path, objectiv
 def test_recompute_checkpoints_the_blocks_it_names():
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["model.vocab_size=128", "model.layers=4"])
     names = [n for n, _ in Transformer(cfg.model).named_parameters()]
-    for mode, chosen in (("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("none", [])):
+    for mode, chosen in (("full", [0, 1, 2, 3]), ("selective", [0, 1, 2, 3]), ("none", [])):
         model = Transformer(cfg.model)
         apply_recompute(model, mode)
         assert [i for i, b in enumerate(model.blocks) if "forward" in vars(b)] == chosen
         assert [n for n, _ in model.named_parameters()] == names
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode):
+    """Ops that run during backward: recomputed forward ops show up here."""
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["model.vocab_size=128", "model.layers=4"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    apply_recompute(model, mode)
+    ids = torch.randint(0, 128, (2, 64))
+    loss = model(ids, ids, reduction="sum")
+    with _CountOps() as counter:
+        loss.backward()
+    attention = sum(n for name, n in counter.counts.items()
+                    if name.startswith("_scaled_dot_product") and "backward" not in name)
+    return attention, counter.counts["mm"]
+
+
+def test_selective_recomputes_attention_but_not_projections():
+    attention, mm = {}, {}
+    for mode in ("none", "selective", "full"):
+        attention[mode], mm[mode] = _backward_ops(mode)
+    assert attention["none"] == 0 and attention["selective"] == attention["full"] == 4  # once per block
+    assert mm["selective"] == mm["none"] < mm["full"]  # projections kept, not recomputed

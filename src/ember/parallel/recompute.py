@@ -5,8 +5,11 @@ module, so parameter names stay those of the plain Transformer ("blocks.3.attn.q
 and checkpoints, tensor-parallel plans and FSDP see the same tree in every layout.
 
 - full: every block keeps only its input; its activations are recomputed in backward.
-- selective: every second block (odd layer index) does so: about half the activation
-  memory of the blocks for about half the recompute cost of `full`.
+- selective: every block keeps the outputs of its matrix multiplications (the q/k/v, output
+  and MLP projections) and recomputes everything else: the attention core (scores,
+  softmax, the weighted sum), norms, activations and dropout. The projections are most of
+  the compute and the attention core most of the memory per FLOP (Korthikanti et al.,
+  the policy `ember plan` models as "selective").
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Saved under `selective`; every other op of the block is recomputed.
+_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
 def blocks_of(module: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -34,13 +40,22 @@ def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(forward, *args, **kwargs):
+    contexts = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
 def apply_recompute(module: nn.Module, mode: str) -> None:
     """Checkpoint the blocks that `mode` ("none", "selective", "full") selects, in place."""
     if mode == "none":
         return
-    for index, block in blocks_of(module):
-        if mode == "full" or index % 2 == 1:
-            block.forward = functools.partial(_checkpointed, block.forward)
+    wrapper = _checkpointed if mode == "full" else _selective
+    for _, block in blocks_of(module):
+        block.forward = functools.partial(wrapper, block.forward)
 
 
 def apply_compile(module: nn.Module) -> None:
