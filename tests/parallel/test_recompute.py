@@ -79,3 +79,17 @@ def test_selective_recomputes_attention_but_not_projections():
         attention[mode], mm[mode] = _backward_ops(mode)
     assert attention["none"] == 0 and attention["selective"] == attention["full"] == 4  # once per block
     assert mm["selective"] == mm["none"] < mm["full"]  # projections kept, not recomputed
+
+
+def test_compiled_blocks_train_the_same_steps(dataset, tmp_path):
+    # One objective only: compilation is the slow part, the objective changes no block.
+    runs = {}
+    for compiled in (False, True):
+        sets = TINY + [f"train.compile={str(compiled).lower()}", "parallel.recompute=selective",
+                       "model.objective=mlm"]
+        trainer = Trainer(load_config(REPO / "configs/tiny-gpt.toml", sets), dataset, tmp_path / str(compiled),
+                          progress=False)
+        trainer.build()
+        runs[compiled] = [tuple(float(x) for x in trainer.train_step(8, lr=1e-3)[:2]) for _ in range(2)]
+    for (loss, norm), (loss_c, norm_c) in zip(runs[False], runs[True]):
+        assert loss_c == pytest.approx(loss, rel=1e-5) and norm_c == pytest.approx(norm, rel=1e-5)
