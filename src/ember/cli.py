@@ -45,7 +45,8 @@ def _cmd_train(args) -> int:
     trainer = Trainer(config, Path(args.data), Path(args.out), budget=args.budget,
                       resume=args.resume, progress=not args.quiet)
     summary = trainer.run()
-    _print_summary(summary)
+    if trainer.rank == 0:  # under torchrun, one summary for the whole run
+        _print_summary(summary)
     if summary["status"] == "interrupted":
         print("stopped early; continue with the same command and --resume", file=sys.stderr)
         return 128 + (signal.SIGINT if trainer.stopped_by is None else trainer.stopped_by)

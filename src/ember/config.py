@@ -1,7 +1,7 @@
 """Typed configuration: TOML recipes, dotted `--set` overrides, validation.
 
-A run is described by one `Config` with five sections (model, data, optim, schedule,
-train). Recipes in `configs/` set what differs from the defaults below; `--set
+A run is described by one `Config` with six sections (model, data, optim, schedule,
+train, parallel). Recipes in `configs/` set what differs from the defaults below; `--set
 section.key=value` overrides one field from the command line. Every mistake a user can
 make here raises `ConfigError` with one sentence that says what to change.
 """
@@ -94,12 +94,29 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The layout of a run over `torchrun` processes (docs/parallel.md); the defaults are
+    one process, and data parallel over whatever world size torchrun starts."""
+
+    dp_replicate: int = 1  # data-parallel replicas (hybrid sharding when dp_shard > 1 too)
+    dp_shard: int = -1  # ranks that shard model states inside a replica; -1 = the rest of the world
+    zero: int = 0  # 0 DDP, 1 optimizer states, 2 + gradients, 3 + parameters (sharded over dp_shard)
+    tp: int = 1  # tensor parallel
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    pp: int = 1  # pipeline stages
+    vpp: int = 1  # virtual stages per pipeline rank (interleaved)
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
+    recompute: str = "none"  # activation checkpointing: none, selective, full
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -112,6 +129,8 @@ _CHOICES = {
     "model.positions": ("learned", "sinusoidal", "rotary"),
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
+    "parallel.recompute": ("none", "selective", "full"),
 }
 
 
@@ -221,9 +240,30 @@ def validate(config: Config) -> None:
             raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")
     if len(config.optim.betas) != 2:
         raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
+    validate_parallel(config.parallel)
     parse_budget(t.budget)
     parse_interval(t.eval_every, "train.eval_every")
     parse_interval(t.checkpoint_every, "train.checkpoint_every")
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """The [parallel] values on their own; how they fit the world size and the model is
+    checked by `ember.parallel.validate` once the world size is known."""
+    for name in ("dp_replicate", "tp", "pp", "vpp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1.")
+    if p.dp_shard != -1 and p.dp_shard < 1:
+        raise ConfigError("parallel.dp_shard must be at least 1, or -1 for the rest of the world size.")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, not {p.zero}.")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp (sequence parallel) splits the work of tensor parallelism, "
+                          "so it needs parallel.tp > 1.")
+    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel.vpp={p.vpp} (virtual stages) needs parallel.schedule=interleaved "
+                          f"(or a zero-bubble schedule), not {p.schedule!r}.")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1.")
 
 
 @dataclass(frozen=True)

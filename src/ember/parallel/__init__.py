@@ -1,1 +1,9 @@
-"""Parallel layouts applied to the plain model from the outside."""
+"""Parallel layouts applied to the plain model from outside (docs/parallel.md).
+
+mesh      the process group and the ("pp", "dp_replicate", "dp_shard", "tp") device mesh
+validate  every check of a layout, before anything is built
+engine    what one step runs on a rank: the Engine interface, LocalEngine, build_engine
+data      DDP (ZeRO-0) and FSDP2 (ZeRO-1/2/3, hybrid) over the data-parallel ranks
+recompute activation checkpointing and torch.compile per block
+tensor, pipeline (where this build has them) tensor and pipeline parallelism
+"""

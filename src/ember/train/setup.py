@@ -45,9 +45,12 @@ def check_data_fits(config: Config, manifest: dict) -> None:
                           "prepare it with --tokenizer wordpiece or bpe.")
 
 
-# Keys that may change between an interrupted run and its resumption.
+# Keys that may change between an interrupted run and its resumption. The layout may:
+# sharded checkpoints are keyed by parameter name, and every layout computes the same step.
 _MAY_CHANGE = {("train", "budget"), ("train", "device"), ("train", "compile"),
-               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every")}
+               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every"),
+               *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
+                                               "vpp", "schedule", "recompute"))}
 
 
 def check_resume_config(config: Config, saved_path: Path) -> None:

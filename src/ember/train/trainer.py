@@ -1,9 +1,12 @@
-"""The training loop on one device: budget-keyed schedules, gradient accumulation,
-held-out evaluation, checkpoints, clean stops on SIGINT/SIGTERM and exact resume."""
+"""The training loop, on one device or under torchrun: budget-keyed schedules, gradient
+accumulation, held-out evaluation, checkpoints, clean stops on SIGINT/SIGTERM and exact
+resume. The layout's work (data, tensor, pipeline parallelism) lives in an engine from
+`ember.parallel`; every rank runs this same loop, and rank 0 alone writes files."""
 
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import signal
 import time
@@ -16,10 +19,13 @@ import torch
 from ember.config import Budget, Config, ConfigError, parse_budget, parse_interval, to_toml
 from ember.data import Batches, held_out_seed, load_manifest, make_targets
 from ember.model import Transformer
+from ember.parallel.engine import PhaseTimer, build_engine
+from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
+from ember.parallel.validate import check_layout, check_world
 from ember.plan.cost import model_flops_per_token
 from ember.train import checkpoint as ckpt
-from ember.train.device import (autocast, autocast_dtype, device_name, device_peak_flops,
-                                pick_device, synchronize)
+from ember.train import saving
+from ember.train.device import autocast_dtype, device_name, device_peak_flops, pick_device, synchronize
 from ember.train.metrics import MetricsLog, ProgressBar
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data
@@ -48,6 +54,16 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
+class _NoLog:
+    """The metrics log of ranks other than 0."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     def __init__(self, config: Config, data_dir: Path, run_dir: Path, budget: str | None = None,
                  resume: bool = False, progress: bool = True, model: torch.nn.Module | None = None):
@@ -64,6 +80,10 @@ class Trainer:
         self.manifest = load_manifest(self.data_dir)
         check_data_fits(config, self.manifest)
         self.seq_len = int(self.manifest["seq_len"])
+        # The layout is checked before any process group, model or batch exists.
+        self.world, self.rank, local_rank = env_world()
+        check_layout(config, self.world)
+        check_world(self.world, resume, saving.sharded_available())
 
         self.resume_from = ckpt.latest_checkpoint(self.run_dir) if resume else None
         if not resume and (ckpt.latest_checkpoint(self.run_dir) or (self.run_dir / "metrics.jsonl").exists()):
@@ -73,10 +93,12 @@ class Trainer:
             check_resume_data(self.manifest, self.run_dir / "data.json")
 
         self.device = pick_device(config.train.device)
+        if self.world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
         self.amp_dtype = autocast_dtype(config.train.precision, self.device)
         if self.amp_dtype is not None and self.device.type == "cpu":
             raise ConfigError("train.precision=bf16 is for GPUs; use fp32 or auto on a CPU.")
-        self.show_progress = progress
+        self.show_progress = progress and self.rank == 0
         self.stopped_by: int | None = None  # the signal that stopped the run, if any
 
     # ---- pieces -------------------------------------------------------------------
@@ -84,12 +106,21 @@ class Trainer:
     def build(self) -> None:
         """Model, optimizer and data; `run` calls it, tools that drive steps themselves too."""
         cfg = self.cfg
-        torch.manual_seed(cfg.train.seed)
+        self.topo = Topology()
+        if self.world > 1:
+            init_distributed(self.device)
+            self.topo = Topology(self.world, self.rank, build_mesh(cfg.parallel, self.world, self.device.type))
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = self._given_model if self._given_model is not None else Transformer(cfg.model)
-        self.model = model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
-        self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed)
+        self.engine = build_engine(cfg, model.to(self.device), self.topo, self.device, self.amp_dtype,
+                                   lambda module: build_optimizer(module, cfg.optim, self.device))
+        self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
+        self.timer = self.engine.timer = PhaseTimer(self.device)
+        self.dp_rank, self.dp_size = self.topo.coordinate("dp"), self.topo.size("dp")
+        if self.dp_size > 1:  # dropout: other rows, other draws
+            torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
+        self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed,
+                                  rank=self.dp_rank, world=self.dp_size)
         n_val = cfg.train.eval_batches * cfg.train.micro_batch
         self.val_ids = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed).fixed(n_val)
         self.peak = device_peak_flops(self.device)
@@ -112,37 +143,39 @@ class Trainer:
         """Mean loss per target token over a fixed held-out set with fixed masks."""
         if len(self.val_ids) == 0:
             return float("nan")
-        self.model.eval()
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        count = 0
+        # Every data-parallel rank scores the whole (small) set: the same forwards on every
+        # rank keep FSDP's collectives matched, and no sum over dp is needed.
+        parts, count = [], 0
         mb = self.cfg.train.micro_batch
         for start in range(0, len(self.val_ids), mb):
-            inputs, labels, n = self._targets(self.val_ids[start:start + mb],
-                                             held_out_seed(self.cfg.data.seed), start)
-            with autocast(self.device, self.amp_dtype):
-                total += self.forward(inputs, labels, reduction="sum").double()
-            count += n
-        self.model.train()
+            parts.append(self._targets(self.val_ids[start:start + mb], held_out_seed(self.cfg.data.seed), start))
+            count += parts[-1][2]
+        inputs, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        total = self.topo.all_reduce(self.engine.loss_sum(inputs, labels), ("pp",))
         return float(total) / max(count, 1)
 
     def train_step(self, n_sequences: int, lr: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One optimizer step over `n_sequences`: returns (mean loss, grad norm, targets)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        first_row = self.train_data.state_dict()["position"]
-        # Normalise by the targets of the whole step so accumulation equals one big batch.
-        inputs, labels, count = self._targets(self.train_data.next(n_sequences), self.cfg.data.seed, first_row)
-        loss_sum = torch.zeros((), device=self.device)
-        mb = self.cfg.train.micro_batch
-        for start in range(0, n_sequences, mb):
-            with autocast(self.device, self.amp_dtype):
-                part = self.forward(inputs[start:start + mb], labels[start:start + mb], reduction="sum")
-            (part / count).backward()
-            loss_sum += part.detach().float()
-        clip = self.cfg.optim.clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """One optimizer step over `n_sequences` of the global batch: returns (mean loss,
+        grad norm, targets), all over the whole global batch."""
+        for optimizer in self.engine.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        # This rank's rows are global rows first_row.. of the step (masks hash the global row).
+        first_row = self.train_data.position + self.dp_rank * (n_sequences // self.dp_size)
+        inputs, labels, local = self._targets(self.train_data.next(n_sequences), self.cfg.data.seed, first_row)
+        # Normalise by the targets of the whole global batch, so that accumulation and data
+        # parallelism equal one big batch on one device; summed on the host (gloo).
+        count = int(self.topo.all_reduce(torch.tensor([local], dtype=torch.int64), ("dp",)))
+        timer = self.timer
+        with timer.phase("forward_backward"):
+            loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count)
+        with timer.phase("optimizer"):
+            clip = self.cfg.optim.clip
+            norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
+            for optimizer in self.engine.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        loss_sum = self.topo.all_reduce(loss_sum, ("dp", "pp"))
         return loss_sum / count, norm, count  # tensors: read only when logged
 
     def _record_data(self) -> None:
@@ -161,25 +194,27 @@ class Trainer:
                 "budget": str(self.budget)}
 
     def _save(self, progress: Progress) -> None:
-        ckpt.save_checkpoint(self.run_dir, progress.step, self.model, self.optimizer,
-                             self._state(progress), keep=self.cfg.train.keep_checkpoints)
+        saving.save(self, progress.step, self._state(progress))
 
     # ---- the loop -------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.build()
+        if self.topo.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         progress = Progress()
         if self.resume_from is not None:
-            state = ckpt.load_checkpoint(self.resume_from, self.model, self.optimizer)
+            state = saving.load(self, self.resume_from)
             progress = Progress(**state["progress"])
             self.train_data.load_state_dict(state["data"])
-        (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-        self._record_data()
-        log = MetricsLog(self.run_dir / "metrics.jsonl",
-                         resume_step=progress.step if self.resume_from is not None else None)
+        if self.topo.is_main:
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            self._record_data()
+        log = (MetricsLog(self.run_dir / "metrics.jsonl",
+                          resume_step=progress.step if self.resume_from is not None else None)
+               if self.topo.is_main else _NoLog())
         bar = ProgressBar(self.show_progress, f"{self.cfg.model.objective} {self.budget}")
-        if self.resume_from is not None:
+        if self.resume_from is not None and self.topo.is_main:
             bar.print(f"resuming from {self.resume_from} (step {progress.step})")
         try:
             with _StopFlag() as stop:
@@ -199,21 +234,24 @@ class Trainer:
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
             lr = self.cfg.optim.lr * lr_factor(fraction, self.cfg.schedule)
-            n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch)
+            # Whole micro-batches on every data-parallel rank, however the ramp rounds.
+            n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch * self.dp_size)
             step_start = time.perf_counter()
+            self.timer.enabled = (progress.step + 1) % t.log_every == 0  # time the steps that are logged
             loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step += 1
             progress.tokens += tokens
             window["tokens"] += tokens
             window["flops"] += self._flops_per_token(self._predicted_fraction(count, tokens)) * tokens
-            progress.elapsed_s = time.perf_counter() - start
+            progress.elapsed_s = self._agree(time.perf_counter() - start, stop)
             if progress.step % t.log_every == 0 or progress.fraction(self.budget) >= 1.0:
                 synchronize(self.device)  # so the window's time covers the work it queued
-                progress.elapsed_s = time.perf_counter() - start
+                if self.world == 1:  # many ranks keep the clock they agreed on
+                    progress.elapsed_s = time.perf_counter() - start
                 window["seconds"] += time.perf_counter() - step_start
                 self.last_loss = float(loss)
-                record = self._record(progress, lr, grad_norm, window)
+                record = self._record(progress, lr, grad_norm, window) | self.timer.read()
                 log.write(record)
                 bar.update(progress.fraction(self.budget), self._bar_stats(record))
                 window = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
@@ -222,18 +260,29 @@ class Trainer:
             if self._due(self.eval_every, last_eval, progress):
                 self._log_eval(progress, log, bar)
                 last_eval = (progress.step, progress.elapsed_s)
-                progress.elapsed_s = time.perf_counter() - start
+                progress.elapsed_s = self._agree(time.perf_counter() - start, stop)
             if stop.signal is not None:
                 self._save(progress)
                 return "interrupted"
             if self._due(self.ckpt_every, last_ckpt, progress):
                 self._save(progress)
                 last_ckpt = (progress.step, progress.elapsed_s)
-                progress.elapsed_s = time.perf_counter() - start
+                progress.elapsed_s = self._agree(time.perf_counter() - start, stop)
         if last_eval[0] != progress.step:
             self._log_eval(progress, log, bar)
         self._save(progress)
         return "finished"
+
+    def _agree(self, elapsed: float, stop: _StopFlag) -> float:
+        """Ranks must take the same decisions (stop, evaluate, save) at the same step: they
+        adopt the slowest rank's clock and stop when any rank was signalled."""
+        if self.world == 1:
+            return elapsed
+        state = torch.tensor([elapsed, 0.0 if stop.signal is None else float(stop.signal)], dtype=torch.float64)
+        self.topo.all_reduce(state, ("world",), op=torch.distributed.ReduceOp.MAX)
+        if state[1] > 0 and stop.signal is None:
+            stop.signal = int(state[1])
+        return float(state[0])
 
     def _predicted_fraction(self, count: int, tokens: int) -> float:
         sparse = self.cfg.model.objective == "mlm" and self.cfg.model.sparse_prediction
@@ -268,20 +317,26 @@ class Trainer:
                    "elapsed_s": round(progress.elapsed_s, 3), "val_loss": self.last_val})
 
     def _finish(self, progress: Progress, status: str) -> dict[str, Any]:
-        from safetensors.torch import save_model
-
         summary = {
             "status": status, "steps": progress.step, "tokens": progress.tokens,
             "elapsed_s": round(progress.elapsed_s, 2), "train_loss": self.last_loss,
             "val_loss": self.last_val, "unigram_entropy": self.manifest.get("unigram_entropy"),
             "tokens_per_s": progress.tokens / max(progress.elapsed_s, 1e-9),
             "device": device_name(self.device), "run_dir": str(self.run_dir),
+            "world_size": self.world, "peak_memory_gib": round(self._peak_memory_gib(), 3),
         }
         if status == "finished":
-            tmp = self.run_dir / "model.safetensors.tmp"
-            save_model(self.model, str(tmp))
-            tmp.replace(self.run_dir / "model.safetensors")
+            saving.save_model(self, self.run_dir / "model.safetensors")
+        if not self.topo.is_main:
+            return summary
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(self.run_dir / "summary.json")
         return summary
+
+    def _peak_memory_gib(self) -> float:
+        """Peak memory of this rank: allocated GPU memory on CUDA, the process's resident
+        set elsewhere (Linux reports it in KiB)."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

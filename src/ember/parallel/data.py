@@ -1,0 +1,70 @@
+"""Data parallelism over the "dp" ranks: DDP (ZeRO-0) or FSDP2 (ZeRO-1/2/3, hybrid).
+
+- zero=0: PyTorch's composable DDP (`replicate`), which keeps parameter names; gradients
+  are all-reduced once per step, after the last micro-batch.
+- zero=1: FSDP2 without resharding after forward, and no gradient reduce-scatter until the
+  last micro-batch: unsharded gradients accumulate locally, optimizer states are sharded.
+- zero=2: FSDP2 without resharding after forward; gradients reduce-scattered per micro-batch.
+- zero=3: FSDP2 resharding parameters after forward (all-gathered again for backward).
+- dp_replicate > 1 with zero >= 1: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh, i.e.
+  hybrid sharding: states sharded inside a replica, gradients all-reduced across replicas.
+
+Every wrapper averages gradients over the data-parallel ranks; the engine multiplies the
+loss by `grad_scale` (the dp size) so that the result is the gradient of the global sum.
+bf16 mixed precision on CUDA keeps fp32 master weights and reduces gradients in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.parallel.mesh import Topology
+from ember.parallel.recompute import blocks_of
+
+
+@dataclass
+class DataParallel:
+    """How one wrapped module's gradients are summed across data-parallel ranks."""
+
+    module: nn.Module
+    zero: int
+    grad_scale: float
+
+    def set_sync(self, sync: bool) -> None:
+        """Whether the coming backward reduces gradients (False: accumulate locally).
+        ZeRO-2/3 reduce-scatter every micro-batch so that only shards are ever kept."""
+        if self.zero in (0, 1):
+            self.module.set_requires_gradient_sync(sync)
+
+
+def _fsdp():
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # public since 2.6
+    return fully_shard, MixedPrecisionPolicy
+
+
+def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: torch.device,
+                        param_dtype: torch.dtype | None) -> DataParallel | None:
+    """Wrap `module` in place for the run's data-parallel layout; None when dp is 1."""
+    dp = topo.size("dp")
+    if dp == 1:
+        return None
+    if zero == 0:
+        from torch.distributed._composable.replicate import replicate
+
+        kwargs = {"device_ids": [device]} if device.type == "cuda" else {}
+        replicate(module, process_group=topo.group("dp"), **kwargs)
+        return DataParallel(module, zero, float(dp))
+    fully_shard, MixedPrecisionPolicy = _fsdp()
+    mesh = topo.mesh["dp_shard"] if topo.size("dp_replicate") == 1 else topo.mesh["dp_replicate", "dp_shard"]
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+              if param_dtype is not None else MixedPrecisionPolicy())
+    reshard = zero == 3
+    for _, block in blocks_of(module):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root holds embeddings, final norm and head (a tied head shares the embedding's
+    # weight, so both must sit in the same FSDP group); nothing runs after it, so keep it.
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return DataParallel(module, zero, float(dp))

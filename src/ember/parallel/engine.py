@@ -1,0 +1,219 @@
+"""Engines: what one optimizer step runs on this rank, whatever the layout.
+
+The trainer hands an engine this data-parallel rank's rows of the global batch and the
+scale 1 / (targets of the whole global batch); after `forward_backward` the gradients equal
+the single-device gradient of the global sum-loss times that scale, in every layout. So the
+trainer's step, schedule, clipping and logging are the same code for one process and many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ember.config import Config, ConfigError
+from ember.parallel.data import DataParallel, apply_data_parallel
+from ember.parallel.mesh import Topology
+from ember.parallel.recompute import apply_compile, apply_recompute
+from ember.parallel.validate import optional_module
+from ember.train.device import autocast
+
+
+class PhaseTimer:
+    """Seconds spent in the phases of the steps it is enabled for: CUDA events on a GPU
+    (read once the step is synchronised, so timing adds no wait), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self._events: list[tuple[str, object, object]] = []
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - begin
+
+    def read(self) -> dict[str, float]:
+        """{phase}_s of the timed steps since the last read; call after synchronising."""
+        for name, start, end in self._events:
+            self._seconds[name] += start.elapsed_time(end) / 1000
+        out = {f"{name}_s": round(value, 6) for name, value in self._seconds.items()}
+        self._events, self._seconds = [], defaultdict(float)
+        return out
+
+
+NO_TIMER = PhaseTimer(torch.device("cpu"))  # never enabled
+
+
+class Engine:
+    parts: list[nn.Module]
+    optimizers: list[Optimizer]
+    timer: PhaseTimer = NO_TIMER  # the trainer's; engines that can split their work time it
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
+    """The 2-norm of all gradients of `parts` over every rank that holds a piece of them
+    (DTensor shards of FSDP and tensor parallel; pipeline stages through `pp_group`),
+    and the gradients scaled down to `max_norm` when it is exceeded (inf: never)."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    if grads:
+        total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if hasattr(total, "full_tensor"):  # a DTensor: partial sums over its shards
+            total = total.full_tensor()
+    else:
+        total = torch.zeros((), device=_device_of(parts))
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        squared = total.float() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+    if max_norm != float("inf") and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss computed under tensor parallel's loss_parallel is a replicated DTensor."""
+    return loss.to_local() if hasattr(loss, "to_local") else loss
+
+
+def _device_of(parts: list[nn.Module]) -> torch.device:
+    for part in parts:
+        for p in part.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+class LocalEngine(Engine):
+    """One module on this rank: a whole model alone, or under data and tensor parallelism.
+    Micro-batches accumulate gradients; with ZeRO-0/1 only the last one reduces them."""
+
+    def __init__(self, module: nn.Module, optimizer: Optimizer, micro_batch: int, device: torch.device,
+                 amp_dtype: torch.dtype | None = None, data_parallel: DataParallel | None = None,
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.parts, self.optimizers = [module], [optimizer]
+        self.module, self.micro_batch, self.device, self.amp_dtype = module, micro_batch, device, amp_dtype
+        self.data_parallel, self.loss_context = data_parallel, loss_context
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        dp = self.data_parallel
+        # Wrappers average over dp ranks; multiplying first makes the reduction a sum.
+        factor = scale * dp.grad_scale if dp is not None else scale
+        total = torch.zeros((), device=self.device)
+        starts = range(0, len(inputs), self.micro_batch)
+        for i, start in enumerate(starts):
+            if dp is not None:
+                dp.set_sync(i == len(starts) - 1)
+            end = start + self.micro_batch
+            with self.loss_context():
+                with self.timer.phase("forward"), autocast(self.device, self.amp_dtype):
+                    part = self.module(inputs[start:end], labels[start:end], reduction="sum")
+                with self.timer.phase("backward"):
+                    (part * factor).backward()
+            total += _plain(part.detach()).float()
+        return total
+
+    @torch.no_grad()
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.module.eval()
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for start in range(0, len(inputs), self.micro_batch):
+            end = start + self.micro_batch
+            with self.loss_context(), autocast(self.device, self.amp_dtype):
+                total += _plain(self.module(inputs[start:end], labels[start:end], reduction="sum")).double()
+        self.module.train()
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.parts, max_norm)
+
+
+class Wrapper:
+    """`wrap(module)`: tensor parallel, recompute, compile, then data parallel, in the order
+    they must compose (FSDP shards the DTensors tensor parallel made; checkpointing sits
+    inside FSDP's hooks). Remembers each module's data-parallel handle."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device, amp_dtype: torch.dtype | None):
+        self.cfg, self.topo, self.device, self.amp_dtype = cfg, topo, device, amp_dtype
+        self.data_parallel: dict[int, DataParallel | None] = {}
+        self.tensor = optional_module("tensor") if cfg.parallel.tp > 1 else None
+
+    def __call__(self, module: nn.Module) -> nn.Module:
+        p = self.cfg.parallel
+        if self.tensor is not None:
+            self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
+        apply_recompute(module, p.recompute)
+        if self.cfg.train.compile:
+            apply_compile(module)
+        self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
+                                                             self.amp_dtype)
+        return module
+
+    def loss_context(self, module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+        if self.tensor is None:
+            return contextlib.nullcontext
+        return lambda: self.tensor.loss_parallel_context(module)
+
+
+def build_engine(cfg: Config, model: nn.Module, topo: Topology, device: torch.device,
+                 amp_dtype: torch.dtype | None, make_optimizer: Callable[[nn.Module], Optimizer]) -> Engine:
+    """The engine for the run's layout; `model` is the plain Transformer on `device`."""
+    wrap = Wrapper(cfg, topo, device, amp_dtype)
+    if cfg.parallel.pp > 1:
+        pipeline = optional_module("pipeline")
+        if pipeline is None:
+            raise ConfigError("pipeline parallelism is not available in this build.")
+        engine = pipeline.build_pipeline_engine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device,
+                                                wrap, make_optimizer)
+        return _Rescaled(engine, topo.size("dp")) if topo.size("dp") > 1 else engine
+    module = wrap(model)
+    # The optimizer is built after wrapping so that it holds the sharded parameters.
+    return LocalEngine(module, make_optimizer(module), cfg.train.micro_batch, device, amp_dtype,
+                       wrap.data_parallel[id(module)], wrap.loss_context(module))
+
+
+class _Rescaled(Engine):
+    """A pipeline engine whose stages `wrap` put under DDP/FSDP: those average gradients
+    over the dp ranks, so the scale handed down carries the dp size to make it a sum."""
+
+    def __init__(self, engine: Engine, factor: float):
+        self.engine, self.factor = engine, factor
+        self.parts, self.optimizers = engine.parts, engine.optimizers
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.engine.forward_backward(inputs, labels, scale * self.factor)
+
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.engine.loss_sum(inputs, labels)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.engine.clip_grad_norm(max_norm)

@@ -1,0 +1,65 @@
+"""Activation checkpointing and torch.compile, applied per transformer block.
+
+Both replace the block's `forward` on the instance instead of wrapping the block in a new
+module, so parameter names stay those of the plain Transformer ("blocks.3.attn.q_proj.weight")
+and checkpoints, tensor-parallel plans and FSDP see the same tree in every layout.
+
+- full: every block keeps only its input; its activations are recomputed in backward.
+- selective: every block keeps the outputs of its matrix multiplications (the q/k/v, output
+  and MLP projections) and recomputes everything else: the attention core (scores,
+  softmax, the weighted sum), norms, activations and dropout. The projections are most of
+  the compute and the attention core most of the memory per FLOP (Korthikanti et al.,
+  the policy `ember plan` models as "selective").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# Saved under `selective`; every other op of the block is recomputed.
+_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def blocks_of(module: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, block) of a whole Transformer (`blocks` a ModuleList) or of a pipeline
+    stage (`blocks` a ModuleDict keyed by the layer index)."""
+    blocks = getattr(module, "blocks", None)
+    if blocks is None:
+        return []
+    if isinstance(blocks, nn.ModuleDict):
+        return [(int(key), block) for key, block in blocks.items()]
+    return list(enumerate(blocks))
+
+
+def _checkpointed(forward, *args, **kwargs):
+    # Non-reentrant: works with keyword arguments, DTensors and FSDP2's hooks.
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(forward, *args, **kwargs):
+    contexts = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def apply_recompute(module: nn.Module, mode: str) -> None:
+    """Checkpoint the blocks that `mode` ("none", "selective", "full") selects, in place."""
+    if mode == "none":
+        return
+    wrapper = _checkpointed if mode == "full" else _selective
+    for _, block in blocks_of(module):
+        block.forward = functools.partial(wrapper, block.forward)
+
+
+def apply_compile(module: nn.Module) -> None:
+    """Compile each block on its own: one small graph reused by every layer, and graph
+    breaks at the block boundaries, where FSDP and pipeline stages need them anyway."""
+    for _, block in blocks_of(module):
+        block.forward = torch.compile(block.forward)
