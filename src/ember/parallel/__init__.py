@@ -1,0 +1,1 @@
+"""Parallel training layouts composed on one DeviceMesh: data, tensor and pipeline parallel."""
