@@ -88,3 +88,12 @@ def test_pp2_training_equals_one_device(tmp_path):
     assert errors == [], "\n".join(errors)
     for result in results:
         assert len(result["done"]) == len(pipeline_worker.cases()) >= 12
+
+
+def test_pp2_x_dp2_fsdp_training_equals_one_device(tmp_path):
+    mp.spawn(pipeline_worker.main_dp, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    errors = [f"rank {rank}: {e}" for rank, result in enumerate(results) for e in result["errors"]]
+    assert errors == [], "\n".join(errors)
+    for result in results:
+        assert len(result["done"]) == len(pipeline_worker.DP_CASES)
