@@ -107,8 +107,8 @@ def run_case(case: dict, mesh, errors: list[str]) -> None:
             # to lr; a real gradient error moves weights by about lr.
             if diff > TOL * reference[key].abs().max().item() + 1e-3 * LR:
                 errors.append(f"{name}: parameter {key} differs by {diff} after the steps")
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, names)
+    every = [None] * mesh["pp"].size()
+    dist.all_gather_object(every, names, group=mesh["pp"].get_group())
     if sorted(k for ks in every for k in ks) != sorted(reference):
         errors.append(f"{name}: stages hold {sorted(k for ks in every for k in ks)}, model has {sorted(reference)}")
 
@@ -120,25 +120,6 @@ def run_case(case: dict, mesh, errors: list[str]) -> None:
     dist.all_reduce(val, group=mesh["pp"].get_group())
     if not close(float(val), ref_eval):
         errors.append(f"{name}: evaluation loss {float(val)} != {ref_eval}")
-
-
-def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    errors: list[str] = []
-    done: list[str] = []
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-        for case in cases():
-            start = time.perf_counter()
-            run_case(case, mesh, errors)
-            done.append(f"{case['schedule']}/{case['objective']}/{case['tied']} {time.perf_counter() - start:.2f}s")
-    except Exception:
-        errors.append(traceback.format_exc())
-    with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump({"errors": errors, "done": done}, f)
-    dist.destroy_process_group()
 
 
 # ---- pp2 x dp2: each stage sharded with FSDP2 over "dp" (DTensor gradients) ----------------
@@ -212,7 +193,9 @@ def run_dp_case(case: dict, mesh, errors: list[str]) -> None:
         errors.append(f"{name}: evaluation loss {float(val)} != {ref_eval}")
 
 
-def main_dp(rank: int, world: int, port: int, out_dir: str) -> None:
+def main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """4 ranks as pp2 x dp2. The pp2 cases run on both pipelines (mesh["pp"] of each dp
+    column) independently, each on the whole batch; then the FSDP cases use both dims."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -220,10 +203,11 @@ def main_dp(rank: int, world: int, port: int, out_dir: str) -> None:
     done: list[str] = []
     try:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-        for case in DP_CASES:
-            start = time.perf_counter()
-            run_dp_case(case, mesh, errors)
-            done.append(f"{case['schedule']} {time.perf_counter() - start:.2f}s")
+        for run, case_list in ((run_case, cases()), (run_dp_case, DP_CASES)):
+            for case in case_list:
+                start = time.perf_counter()
+                run(case, mesh, errors)
+                done.append(f"{run.__name__} {case} {time.perf_counter() - start:.2f}s")
     except Exception:
         errors.append(traceback.format_exc())
     with open(f"{out_dir}/rank{rank}.json", "w") as f:

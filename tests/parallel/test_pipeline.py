@@ -80,20 +80,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_pp2_training_equals_one_device(tmp_path):
+def test_pipeline_training_equals_one_device(tmp_path):
+    """One launch of 4 ranks: pp2 with every schedule (both objectives, tied and untied),
+    then pp2 x dp2 with FSDP2-sharded stages."""
     assert {"gpipe", "1f1b", "interleaved"} <= set(available_schedules())
-    mp.spawn(pipeline_worker.main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    errors = [f"rank {rank}: {e}" for rank, result in enumerate(results) for e in result["errors"]]
-    assert errors == [], "\n".join(errors)
-    for result in results:
-        assert len(result["done"]) == len(pipeline_worker.cases()) >= 12
-
-
-def test_pp2_x_dp2_fsdp_training_equals_one_device(tmp_path):
-    mp.spawn(pipeline_worker.main_dp, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(pipeline_worker.main, args=(4, _free_port(), str(tmp_path)), nprocs=4, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     errors = [f"rank {rank}: {e}" for rank, result in enumerate(results) for e in result["errors"]]
     assert errors == [], "\n".join(errors)
+    expected = len(pipeline_worker.cases()) + len(pipeline_worker.DP_CASES)
+    assert len(pipeline_worker.cases()) >= 12
     for result in results:
-        assert len(result["done"]) == len(pipeline_worker.DP_CASES)
+        assert len(result["done"]) == expected

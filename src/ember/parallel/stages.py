@@ -95,7 +95,7 @@ class StageModule(nn.Module):
                                ignore_index=IGNORE, reduction="sum")
         self.sums.append(loss.detach())
         # [1], not a scalar: older schedules concatenate the last stage's outputs on dim 0.
-        return loss.reshape(1)
+        return torch.stack([loss])  # a new tensor: FSDP warns about views returned from forward
 
     def queue_labels(self, chunks: list[torch.Tensor]) -> None:
         self.pending_labels.clear()
