@@ -40,14 +40,18 @@ SCHEDULES: dict[str, tuple[str, bool, str]] = {
 }
 
 
+ZERO_BUBBLE = ("zero_bubble", "zbv")
+
+
 def available_schedules() -> list[str]:
     return [name for name, (cls, _, _) in SCHEDULES.items() if hasattr(pipelining, cls)]
 
 
-def check_pipeline(model: ModelConfig, parallel: Any, micro_batches: int | None = None) -> None:
+def check_pipeline(model: ModelConfig, parallel: Any, micro_batches: int | None = None,
+                   compile: bool = False) -> None:
     """Refuse a pipeline layout that cannot run, in one sentence (ConfigError). `parallel`
     is anything with `pp`, `vpp` and `schedule`; `micro_batches` (per step and
-    data-parallel rank), when given, is checked against the schedule too."""
+    data-parallel rank) and `compile` (train.compile), when given, are checked too."""
     pp, vpp, schedule = int(parallel.pp), int(parallel.vpp), str(parallel.schedule)
     if pp < 1 or vpp < 1:
         raise ConfigError(f"parallel.pp ({pp}) and parallel.vpp ({vpp}) must be at least 1.")
@@ -69,8 +73,15 @@ def check_pipeline(model: ModelConfig, parallel: Any, micro_batches: int | None 
     if model.layers % (pp * vpp) != 0:
         raise ConfigError(f"model.layers ({model.layers}) must be divisible by parallel.pp x parallel.vpp "
                           f"({pp} x {vpp} = {pp * vpp}) so that every stage holds the same number of blocks.")
+    if compile and schedule in ZERO_BUBBLE:
+        _refuse_compiled(schedule)
     if micro_batches is not None:
         check_micro_batches(micro_batches, pp, schedule)
+
+
+def _refuse_compiled(schedule: str) -> None:
+    raise ConfigError(f"parallel.schedule={schedule!r} cannot run compiled stages (PyTorch splits their backward "
+                      f"into input and weight gradients); set train.compile=false or use schedule 'interleaved'.")
 
 
 def check_micro_batches(micro_batches: int, pp: int, schedule: str) -> None:
@@ -112,6 +123,11 @@ class PipelineEngine:
         ids = [s for s, r in enumerate(self.owner) if r == self.rank]
         self.modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, self.n_stages)]
         self.parts: list[nn.Module] = [wrap(m) for m in self.modules]
+        if self.schedule_name in ZERO_BUBBLE:
+            from torch._dynamo.eval_frame import OptimizedModule
+
+            if any(isinstance(m, OptimizedModule) for p in self.parts for m in p.modules()):
+                _refuse_compiled(self.schedule_name)
         self.optimizers = [make_optimizer(p) for p in self.parts]
         self.first = next((m for m in self.modules if m.is_first), None)
         self.last = next((m for m in self.modules if m.is_last), None)
