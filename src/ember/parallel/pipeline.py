@@ -12,6 +12,7 @@ same optimizer, stay equal.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -121,16 +122,16 @@ class PipelineEngine:
         self.n_stages = self.pp * self.vpp
         self.owner = stage_ranks(self.pp, self.vpp, style)  # pipeline rank of each stage
         ids = [s for s, r in enumerate(self.owner) if r == self.rank]
-        self.modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, self.n_stages)]
-        self.parts: list[nn.Module] = [wrap(m) for m in self.modules]
+        self.stage_modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, self.n_stages)]
+        self.parts: list[nn.Module] = [wrap(m) for m in self.stage_modules]
         if self.schedule_name in ZERO_BUBBLE:
             from torch._dynamo.eval_frame import OptimizedModule
 
             if any(isinstance(m, OptimizedModule) for p in self.parts for m in p.modules()):
                 _refuse_compiled(self.schedule_name)
         self.optimizers = [make_optimizer(p) for p in self.parts]
-        self.first = next((m for m in self.modules if m.is_first), None)
-        self.last = next((m for m in self.modules if m.is_last), None)
+        self.first = next((m for m in self.stage_modules if m.is_first), None)
+        self.last = next((m for m in self.stage_modules if m.is_last), None)
         self.tied = self.cfg.tie_embeddings and self.n_stages > 1
         self._scale = 1.0
         self._schedules: dict[tuple, Any] = {}
@@ -151,7 +152,7 @@ class PipelineEngine:
             stages = [pipelining.PipelineStage(part, module.index, self.n_stages, self.device,
                                                input_args=examples[module.index][0],
                                                output_args=examples[module.index][1], group=self.group)
-                      for part, module in zip(self.parts, self.modules)]
+                      for part, module in zip(self.parts, self.stage_modules)]
             self._schedules[key] = self._schedule_cls(stages if self._multi else stages[0], n_micro,
                                                       loss_fn=self._loss_fn, scale_grads=False)
         return self._schedules[key]
@@ -173,10 +174,22 @@ class PipelineEngine:
         def record(stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
             examples[stage] = (example(x), example(y))
 
-        self._forward_in_order(inputs, record)
+        with self._eval_mode():  # shapes only: no dropout, so the RNG streams stay untouched
+            self._forward_in_order(inputs, record)
         if self.last is not None:
             self.last.queue_labels([])
         return examples
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        modes = [p.training for p in self.parts]
+        for p in self.parts:
+            p.eval()
+        try:
+            yield
+        finally:
+            for p, mode in zip(self.parts, modes):
+                p.train(mode)
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.last.last_labels_ptr != target.data_ptr():
@@ -210,18 +223,12 @@ class PipelineEngine:
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only, one micro-batch at a time through the stages in order (no
         overlap: evaluation is rare, and this needs no schedule state)."""
-        modes = [p.training for p in self.parts]
-        for p in self.parts:
-            p.eval()
-        try:
+        with self._eval_mode():
             if self.last is not None:
                 self.last.queue_labels(list(labels.split(self.micro_batch)))
             for chunk in inputs.split(self.micro_batch):
                 self._forward_in_order(chunk)
-            return self._collect_loss()
-        finally:
-            for p, mode in zip(self.parts, modes):
-                p.train(mode)
+        return self._collect_loss()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The gradient norm over all stages (a tied embedding counted once), then every
@@ -249,7 +256,7 @@ class PipelineEngine:
     # ---- helpers -----------------------------------------------------------------
 
     def _params(self, count_tied_copy: bool):
-        for module in self.modules:
+        for module in self.stage_modules:
             for p in module.parameters():
                 if not count_tied_copy and self.tied and module.is_last and p is module.head.weight:
                     continue  # the copy of the embedding: its gradient is the embedding's
@@ -271,7 +278,7 @@ class PipelineEngine:
             x = y
 
     def _local_index(self, stage: int) -> int:
-        return next(i for i, m in enumerate(self.modules) if m.index == stage)
+        return next(i for i, m in enumerate(self.stage_modules) if m.index == stage)
 
     def _collect_loss(self) -> torch.Tensor:
         if self.last is None or not self.last.sums:
