@@ -124,8 +124,9 @@ def run_case(case: dict, mesh, errors: list[str]) -> None:
 
 # ---- pp2 x dp2: each stage sharded with FSDP2 over "dp" (DTensor gradients) ----------------
 
-DP_CASES = [{"schedule": "1f1b", "vpp": 1, "objective": "mlm", "tied": True},
-            {"schedule": "interleaved", "vpp": 2, "objective": "causal", "tied": True}]
+# zero 3 (parameters resharded after forward) and zero 2 (kept gathered until backward)
+DP_CASES = [{"schedule": "1f1b", "vpp": 1, "objective": "mlm", "tied": True, "reshard": True},
+            {"schedule": "interleaved", "vpp": 2, "objective": "causal", "tied": True, "reshard": False}]
 DP_ROWS_PER_STEP = [8, 16, 8]
 
 
@@ -144,7 +145,7 @@ def run_dp_case(case: dict, mesh, errors: list[str]) -> None:
     ref_opt = adamw(ref)
 
     def wrap(stage):
-        fully_shard(stage, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=case["reshard"])
         return stage
 
     parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"])

@@ -100,6 +100,19 @@ def check_micro_batches(micro_batches: int, pp: int, schedule: str) -> None:
                           f"or train.micro_batch.")
 
 
+def _reshard(parts: list[nn.Module]) -> None:
+    """Free the parameters FSDP gathered for a forward without backward (with
+    reshard_after_forward=False they would stay gathered until the next backward)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - no FSDP2 in this PyTorch
+        return
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -178,6 +191,7 @@ class PipelineEngine:
             self._forward_in_order(inputs, record)
         if self.last is not None:
             self.last.queue_labels([])
+        _reshard(self.parts)
         return examples
 
     @contextlib.contextmanager
@@ -228,6 +242,7 @@ class PipelineEngine:
                 self.last.queue_labels(list(labels.split(self.micro_batch)))
             for chunk in inputs.split(self.micro_batch):
                 self._forward_in_order(chunk)
+        _reshard(self.parts)
         return self._collect_loss()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
