@@ -33,6 +33,7 @@ def layout(pp=2, vpp=1, schedule="1f1b"):
     (ModelConfig(layers=8), layout(pp=2, vpp=2, schedule="gpipe"), None, "set vpp=1"),
     (ModelConfig(layers=8), layout(pp=1, vpp=2), None, "set parallel.pp > 1"),
     (ModelConfig(layers=8), layout(schedule="chimera"), None, "is not one of"),
+    (ModelConfig(layers=8), layout(pp=1, schedule="chimera"), None, "is not one of"),
     (ModelConfig(layers=8), layout(pp=4, schedule="1f1b"), 2, "at least parallel.pp=4 micro-batches"),
     (ModelConfig(layers=8), layout(pp=2, vpp=2, schedule="interleaved"), 3, "multiple of parallel.pp=2"),
     (ModelConfig(layers=8), layout(pp=0), None, "must be at least 1"),

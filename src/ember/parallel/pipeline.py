@@ -56,12 +56,12 @@ def check_pipeline(model: ModelConfig, parallel: Any, micro_batches: int | None 
     pp, vpp, schedule = int(parallel.pp), int(parallel.vpp), str(parallel.schedule)
     if pp < 1 or vpp < 1:
         raise ConfigError(f"parallel.pp ({pp}) and parallel.vpp ({vpp}) must be at least 1.")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}.")
     if pp == 1:
         if vpp > 1:
             raise ConfigError(f"parallel.vpp={vpp} needs pipeline parallelism; set parallel.pp > 1 or vpp=1.")
         return
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}.")
     if schedule not in available_schedules():
         raise ConfigError(f"parallel.schedule={schedule!r} is not in this PyTorch ({torch.__version__}); "
                           f"choose one of {', '.join(available_schedules())}.")
