@@ -5,5 +5,7 @@ validate  every check of a layout, before anything is built
 engine    what one step runs on a rank: the Engine interface, LocalEngine, build_engine
 data      DDP (ZeRO-0) and FSDP2 (ZeRO-1/2/3, hybrid) over the data-parallel ranks
 recompute activation checkpointing and torch.compile per block
-tensor, pipeline (where this build has them) tensor and pipeline parallelism
+tensor    tensor and sequence parallelism through DTensor (vocabulary-parallel embedding and loss)
+stages    the plain model cut into pipeline stages that keep its parameter names
+pipeline  pipeline schedules (GPipe, 1F1B, interleaved, zero-bubble) behind the Engine interface
 """
