@@ -24,6 +24,7 @@ FOUR_RANKS = [
     {"name": "hybrid2x2-zero1", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1}},
     {"name": "dp2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 1}, "needs": ["tensor"]},
     {"name": "pp2xtp2", "set": {"parallel.pp": 2, "parallel.tp": 2}, "needs": ["pipeline", "tensor"]},
+    {"name": "pp2xtp2+sp", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}, "needs": ["pipeline", "tensor"]},
     {"name": "pp2xdp2-zero1", "set": {"parallel.pp": 2, "parallel.zero": 1}, "needs": ["pipeline"]},
     {"name": "pp2xzero3x2", "set": {"parallel.pp": 2, "parallel.zero": 3}, "needs": ["pipeline"]},
 ]

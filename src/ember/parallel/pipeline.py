@@ -187,7 +187,7 @@ class PipelineEngine:
         def record(stage: int, x: torch.Tensor, y: torch.Tensor) -> None:
             examples[stage] = (example(x), example(y))
 
-        with self._eval_mode():  # shapes only: no dropout, so the RNG streams stay untouched
+        with self._eval_mode(), self._loss_context():  # shapes only: no dropout, RNG untouched
             self._forward_in_order(inputs, record)
         if self.last is not None:
             self.last.queue_labels([])
@@ -229,7 +229,8 @@ class PipelineEngine:
             self.last.queue_labels(list(labels.tensor_split(n_micro)))
         args = (inputs,) if self.first is not None else ()
         target = labels if self.last is not None else None
-        schedule.step(*args, target=target, losses=[] if self.last is not None else None, **self._step_kwargs)
+        with self._loss_context():
+            schedule.step(*args, target=target, losses=[] if self.last is not None else None, **self._step_kwargs)
         self._sum_tied_grads()
         return self._collect_loss()
 
@@ -237,7 +238,7 @@ class PipelineEngine:
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward only, one micro-batch at a time through the stages in order (no
         overlap: evaluation is rare, and this needs no schedule state)."""
-        with self._eval_mode():
+        with self._eval_mode(), self._loss_context():
             if self.last is not None:
                 self.last.queue_labels(list(labels.split(self.micro_batch)))
             for chunk in inputs.split(self.micro_batch):
@@ -291,6 +292,15 @@ class PipelineEngine:
             if s < self.n_stages - 1 and self.owner[s + 1] != self.rank:
                 self._send(y, self.owner[s + 1])
             x = y
+
+    def _loss_context(self):
+        """The vocabulary-parallel loss context when this rank's last stage has a
+        tensor-parallel output layer (its cross-entropy then runs on sharded logits)."""
+        if self.last is None:
+            return contextlib.nullcontext()
+        from ember.parallel.tensor import loss_parallel_context
+
+        return loss_parallel_context(self.parts[self._local_index(self.last.index)])
 
     def _local_index(self, stage: int) -> int:
         return next(i for i, m in enumerate(self.stage_modules) if m.index == stage)

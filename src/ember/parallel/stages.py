@@ -93,6 +93,8 @@ class StageModule(nn.Module):
         logits = self.head(self.norm(h))
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                ignore_index=IGNORE, reduction="sum")
+        if hasattr(loss, "to_local"):  # a replicated DTensor under the vocabulary-parallel loss
+            loss = loss.to_local()
         self.sums.append(loss.detach())
         # [1], not a scalar: older schedules concatenate the last stage's outputs on dim 0.
         return torch.stack([loss])  # a new tensor: FSDP warns about views returned from forward
