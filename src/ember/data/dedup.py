@@ -77,7 +77,7 @@ class Signer:
         k = self.config.shingle
         shingles = {" ".join(words[i:i + k]).encode("utf-8") for i in range(max(1, len(words) - k + 1))}
         m = self._minhash(num_perm=self.config.num_perm, seed=self.config.seed,
-                          permutations=self._template.permutations)
+                          permutations=self._template.permutations, scheme=self._template.scheme)
         m.update_batch(list(shingles))
         return m.hashvalues.copy()
 
@@ -93,6 +93,7 @@ class Deduplicator:
             datasketch = _datasketch()
             self.lsh = datasketch.MinHashLSH(threshold=config.threshold, num_perm=config.num_perm)
             self._lean = datasketch.LeanMinHash
+            self._scheme = datasketch.MinHash(num_perm=config.num_perm, seed=config.seed).scheme
         self.kept = 0
 
     def duplicate(self, key: bytes | None, signature: np.ndarray | None) -> str | None:
@@ -101,7 +102,7 @@ class Deduplicator:
             if key in self.keys:
                 return "exact_duplicates"
         if self.lsh is not None and signature is not None:
-            m = self._lean(seed=self.config.seed, hashvalues=signature)
+            m = self._lean(seed=self.config.seed, hashvalues=signature, scheme=self._scheme)
             if self.lsh.query(m):
                 return "near_duplicates"
             self.lsh.insert(self.kept, m, check_duplication=False)

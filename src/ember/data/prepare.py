@@ -30,6 +30,7 @@ from ember.data.dedup import DedupConfig
 from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
+from ember.data.prep_config import shard_sequences_for
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
 from ember.data.sources import MAX_DOCUMENT_BYTES, new_counts
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
@@ -98,18 +99,21 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             shard_sequences: int = 65536, progress: bool = True, *, text_field: str = "text",
             clean: CleanConfig | dict | None = None, dedup: DedupConfig | dict | None = None,
             workers: int = 0, doc_boundaries: bool = False, stopping: str = "first_exhausted",
-            max_document_bytes: int = MAX_DOCUMENT_BYTES) -> dict:
+            max_document_bytes: int = MAX_DOCUMENT_BYTES, shard_size: int | str | None = None) -> dict:
     """Tokenize `inputs` into packed shards in `out_dir`; return the manifest.
 
     `inputs` are paths, `path:weight` strings or `Source`s (see mixing.py); `clean` and
     `dedup` are their configs or TOML-style tables; `workers` processes tokenize (0: this
-    process does)."""
+    process does); `shard_size` (sequences, or a size such as "64MB") replaces
+    `shard_sequences`."""
     sources = [parse_source(item) for item in inputs]
     out_dir, tokenizer = Path(out_dir), str(tokenizer)
     clean = clean if isinstance(clean, CleanConfig) else CleanConfig.from_dict(clean)
     dedup = dedup if isinstance(dedup, DedupConfig) else DedupConfig.from_dict(dedup)
     validate_args(sources, out_dir, tokenizer, vocab_size, seq_len, val_fraction, shard_sequences,
                   stopping, workers)
+    if shard_size is not None:
+        shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
 
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
@@ -123,6 +127,8 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     specials = special_token_ids(tok)
     vocab = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
     dtype = token_dtype(vocab)
+    if shard_size is not None:
+        shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
     tokenizer_text = tok.to_str(pretty=True)
     _refuse_other_tokenizer(out_dir, tokenizer_text)
 
