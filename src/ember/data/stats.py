@@ -89,7 +89,8 @@ def render(stats: dict, png: Path | None) -> None:
     console = Console()
     sources = Table(title="Sources")
     for column in ("source", "weight", "read", "kept documents", "tokens", "characters"):
-        sources.add_column(column, justify="left" if column == "source" else "right")
+        sources.add_column(column, justify="left" if column == "source" else "right",
+                           overflow="fold" if column == "source" else "ellipsis")
     for s in stats["sources"]:
         sources.add_row(str(s.get("source")), "" if s.get("weight") is None else f"{s['weight']:g}",
                         *(f"{s[k]:,}" if isinstance(s.get(k), int) else "?" for k in
