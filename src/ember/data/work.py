@@ -17,6 +17,7 @@ import numpy as np
 
 from ember.data.clean import CleanConfig, compressed_badly, text_filter, transform
 from ember.data.dedup import DedupConfig, Signer, exact_key
+from ember.data.fastbpe import CachedBPE, applies
 
 _STATE: dict = {}
 
@@ -43,10 +44,25 @@ def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bo
     _STATE["clean"] = CleanConfig.from_dict(clean)
     _STATE["dedup"] = DedupConfig.from_dict(dedup)
     _STATE["signer"] = Signer(_STATE["dedup"]) if _STATE["dedup"].near else None
+    _STATE["fast"] = CachedBPE(_STATE["tok"]) if applies(_STATE["tok"]) else None
+    _STATE["verified"] = False
+
+
+def _encode(docs: list[str]) -> list[list[int]]:
+    """Token ids of `docs`, through the cached encoder when it reproduces the tokenizer
+    (checked on the first batch: any difference and this worker stops using it)."""
+    fast = _STATE["fast"]
+    if fast is not None and not _STATE["verified"]:
+        _STATE["verified"] = True
+        if not fast.verify(docs):
+            _STATE["fast"] = fast = None
+    if fast is not None:
+        return fast.encode_batch(docs)
+    return [enc.ids for enc in _STATE["tok"].encode_batch(docs, add_special_tokens=False)]
 
 
 def process(docs: list[str]) -> BatchResult:
-    tok, clean, dedup, signer = _STATE["tok"], _STATE["clean"], _STATE["dedup"], _STATE["signer"]
+    clean, dedup, signer = _STATE["clean"], _STATE["dedup"], _STATE["signer"]
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     changed: Counter = Counter()
     if clean.transforms_text():
@@ -58,12 +74,11 @@ def process(docs: list[str]) -> BatchResult:
         else:
             dropped[i] = text_filter(doc, clean)
     keep = [i for i, reason in enumerate(dropped) if reason is None]
-    encodings = tok.encode_batch([docs[i] for i in keep], add_special_tokens=False)
+    encodings = _encode([docs[i] for i in keep])
     lengths = np.zeros(len(docs), dtype=np.int64)
     chars = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     pieces = []
-    for i, enc in zip(keep, encodings):
-        ids = enc.ids
+    for i, ids in zip(keep, encodings):
         if not ids:  # e.g. only characters the normalizer removes
             dropped[i] = "empty"
         elif compressed_badly(len(ids), chars[i], clean):
