@@ -106,6 +106,8 @@ def test_cleaning_and_dedup_in_prepare(tmp_path):
 
 
 def test_prep_config_errors(tmp_path):
+    example = load_prep_config(Path(__file__).resolve().parents[2] / "configs/data/cram-clean.toml")
+    assert example["clean"].max_tokens_per_char == 0.3 and example["dedup"].near
     bad = tmp_path / "bad.toml"
     for text, words in [("[prepare]\nseqlen = 3\n", "no setting seqlen"), ("[cleaning]\n", "unknown section cleaning"),
                         ("[prepare]\nseq_len = '8'\n", "wrong type"), ("[dedup]\nthreshold = 2.0\n", "threshold"),

@@ -17,6 +17,7 @@ seen. The ids are the same as `encode(text, add_special_tokens=False).ids`:
 
 from __future__ import annotations
 
+import itertools
 import json
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -51,38 +52,41 @@ def applies(tok) -> bool:
             and model.get("type") == "BPE" and model.get("dropout") is None)
 
 
+class _WordCache(dict):
+    """word -> ids; a missing word is encoded by the BPE model (so lookups stay in C)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.byte_map = _bytes_to_unicode()
+
+    def __missing__(self, word: str) -> list[int]:
+        if len(self) >= MAX_CACHE:
+            self.clear()
+        mapped = "".join(self.byte_map[b] for b in word.encode("utf-8"))
+        ids = self[word] = [t.id for t in self.model.tokenize(mapped)]
+        return ids
+
+
 class CachedBPE:
     def __init__(self, tok):
         import regex
 
         self.tok = tok
-        self.model = tok.model
         self.split = regex.compile(GPT2_PATTERN).findall
-        self.byte_map = _bytes_to_unicode()
-        self.cache: dict[str, list[int]] = {}
+        self.cache = _WordCache(tok.model)
         added = sorted((t.content for t in tok.get_added_tokens_decoder().values()), key=len, reverse=True)
         self.added = regex.compile("|".join(regex.escape(a) for a in added)).search if added else None
-
-    def _word(self, word: str) -> list[int]:
-        if len(self.cache) >= MAX_CACHE:
-            self.cache.clear()
-        mapped = "".join(self.byte_map[b] for b in word.encode("utf-8"))
-        ids = self.cache[word] = [t.id for t in self.model.tokenize(mapped)]
-        return ids
 
     def encode_batch(self, docs: list[str]) -> list[list[int]]:
         out: list = [None] * len(docs)
         slow = []
-        cache, word_ids = self.cache, self._word
+        lookup, split, chain = self.cache.__getitem__, self.split, itertools.chain.from_iterable
         for i, doc in enumerate(docs):
             if self.added is not None and self.added(doc):
                 slow.append(i)
                 continue
-            ids: list[int] = []
-            for word in self.split(doc):
-                cached = cache.get(word)
-                ids += cached if cached is not None else word_ids(word)
-            out[i] = ids
+            out[i] = list(chain(map(lookup, split(doc))))
         if slow:
             for i, enc in zip(slow, self.tok.encode_batch([docs[i] for i in slow], add_special_tokens=False)):
                 out[i] = enc.ids
