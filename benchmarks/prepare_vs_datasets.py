@@ -161,7 +161,8 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the built-in corpus to prepare")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="ember's workers (default: the command's, one per core but one)")
     parser.add_argument("--rss", action="store_true", help="also ember's peak memory at 1x and --rss-factor x")
     parser.add_argument("--rss-factor", type=int, default=4)
     parser.add_argument("--loader", action="store_true", help="also the loader's tokens/s")
@@ -179,6 +180,7 @@ def main() -> None:
         print(json.dumps(side_loader(Path(args.data), 64, 200)))
         return
 
+    load_at_start = os.getloadavg()
     work = Path(args.work or tempfile.mkdtemp(prefix="ember-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(work, args.copies)
@@ -205,6 +207,8 @@ def main() -> None:
         f"# ember data prepare vs the plain datasets approach ({datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC})",
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, {platform.platform()}",
         f"command: PYTHONPATH=src python benchmarks/prepare_vs_datasets.py {' '.join(sys.argv[1:])}",
+        f"load average (1/5/15 min) at start {load_at_start[0]:.1f}/{load_at_start[1]:.1f}/{load_at_start[2]:.1f}, "
+        f"at end {os.getloadavg()[0]:.1f} (a shared machine: timings vary between runs)",
         f"corpus: built-in corpus x{args.copies} = {mb:.1f} MB of JSON lines; BPE vocabulary {args.vocab_size}, "
         f"seq_len {args.seq_len}",
         "",
@@ -216,7 +220,7 @@ def main() -> None:
         f"throughput ratio ember / plain: {ember['mb_per_s'] / plain['mb_per_s']:.2f}x; "
         f"peak memory ratio: {ember['peak_rss_mb'] / plain['peak_rss_mb']:.2f}x",
     ]
-    for workers in sorted({0, 1, args.workers} - {args.workers}):
+    for workers in sorted({0, 1, 2, args.workers} - {args.workers}):
         other = prepare_side("ember", corpus, f"ember-w{workers}", workers)
         lines.append(f"{f'ember ({workers} workers)':<28}{other['seconds']:>9.2f}{other['mb_per_s']:>8.2f}"
                      f"{other['peak_rss_mb']:>13.0f}{other['rows']:>10,}")
