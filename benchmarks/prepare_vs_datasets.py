@@ -61,24 +61,29 @@ def _tree_rss(pid: int) -> int:
 
 
 def run_side(argv: list[str]) -> dict:
-    """Run this script as a subprocess with `argv`; its JSON result plus the peak tree RSS."""
+    """Run this script as a subprocess with `argv`: its JSON result, the peak tree RSS and
+    the CPU seconds of the process and its (reaped) worker processes."""
     proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
-    peak = [0]
+    peak, done = [0], threading.Event()
 
     def sample():
-        while proc.poll() is None:
+        while not done.is_set():
             peak[0] = max(peak[0], _tree_rss(proc.pid))
             time.sleep(0.02)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    out, _ = proc.communicate()
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # rusage of the child and its reaped children
+    done.set()
     thread.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"side {argv[:2]} failed with status {proc.returncode}")
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_rss_mb"] = peak[0] / 1e6
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
     return result
 
 
@@ -161,8 +166,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the built-in corpus to prepare")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="ember's workers (default: the command's, one per core but one)")
+    parser.add_argument("--workers", type=int, default=max(1, min(os.cpu_count() or 1, 16)),
+                        help="ember's workers (default: the command's, one per core)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per side; the median is reported")
     parser.add_argument("--rss", action="store_true", help="also ember's peak memory at 1x and --rss-factor x")
     parser.add_argument("--rss-factor", type=int, default=4)
     parser.add_argument("--loader", action="store_true", help="also the loader's tokens/s")
@@ -201,32 +207,41 @@ def main() -> None:
         result["mb_per_s"] = path.stat().st_size / 1e6 / result["seconds"]
         return result
 
-    ember = prepare_side("ember", corpus, "ember")
-    plain = prepare_side("plain", corpus, "plain")
+    runs: dict[str, list[dict]] = {"ember": [], "plain": []}
+    for _ in range(args.repeat):  # interleaved, so a change in the machine's load hits both sides
+        runs["ember"].append(prepare_side("ember", corpus, "ember"))
+        runs["plain"].append(prepare_side("plain", corpus, "plain"))
+    ember, plain = (sorted(runs[k], key=lambda r: r["seconds"])[len(runs[k]) // 2] for k in ("ember", "plain"))
+
+    walls = {k: ", ".join(f"{r['seconds']:.1f}" for r in v) for k, v in runs.items()}
+
+    def row(name: str, r: dict) -> str:
+        return (f"{name:<30}{r['seconds']:>9.2f}{r['mb_per_s']:>8.2f}{r['cpu_s']:>9.1f}"
+                f"{r['peak_rss_mb']:>13.0f}{r['rows']:>10,}")
+
     lines = [
         f"# ember data prepare vs the plain datasets approach ({datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC})",
         f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, {platform.platform()}",
         f"command: PYTHONPATH=src python benchmarks/prepare_vs_datasets.py {' '.join(sys.argv[1:])}",
         f"load average (1/5/15 min) at start {load_at_start[0]:.1f}/{load_at_start[1]:.1f}/{load_at_start[2]:.1f}, "
-        f"at end {os.getloadavg()[0]:.1f} (a shared machine: timings vary between runs)",
+        f"at end of the comparison {os.getloadavg()[0]:.1f} (a shared machine: wall times vary between runs)",
         f"corpus: built-in corpus x{args.copies} = {mb:.1f} MB of JSON lines; BPE vocabulary {args.vocab_size}, "
         f"seq_len {args.seq_len}",
+        f"median of {args.repeat} interleaved runs per side (wall seconds: "
+        f"ember {walls['ember']}; plain {walls['plain']}); "
+        "cpu s = user + system time of the process and its workers",
         "",
-        f"{'side':<28}{'seconds':>9}{'MB/s':>8}{'peak RSS MB':>13}{'rows':>10}",
-        f"{f'ember ({args.workers} workers)':<28}{ember['seconds']:>9.2f}{ember['mb_per_s']:>8.2f}"
-        f"{ember['peak_rss_mb']:>13.0f}{ember['rows']:>10,}",
-        f"{'plain datasets map':<28}{plain['seconds']:>9.2f}{plain['mb_per_s']:>8.2f}"
-        f"{plain['peak_rss_mb']:>13.0f}{plain['rows']:>10,}",
-        f"throughput ratio ember / plain: {ember['mb_per_s'] / plain['mb_per_s']:.2f}x; "
-        f"peak memory ratio: {ember['peak_rss_mb'] / plain['peak_rss_mb']:.2f}x",
+        f"{'side':<30}{'seconds':>9}{'MB/s':>8}{'cpu s':>9}{'peak RSS MB':>13}{'rows':>10}",
+        row(f"ember ({args.workers} workers)", ember),
+        row("plain datasets map", plain),
+        f"throughput ratio ember / plain: {ember['mb_per_s'] / plain['mb_per_s']:.2f}x (wall), "
+        f"{plain['cpu_s'] / ember['cpu_s']:.2f}x (CPU time); peak memory ratio: "
+        f"{ember['peak_rss_mb'] / plain['peak_rss_mb']:.2f}x",
     ]
     for workers in sorted({0, 1, 2, args.workers} - {args.workers}):
-        other = prepare_side("ember", corpus, f"ember-w{workers}", workers)
-        lines.append(f"{f'ember ({workers} workers)':<28}{other['seconds']:>9.2f}{other['mb_per_s']:>8.2f}"
-                     f"{other['peak_rss_mb']:>13.0f}{other['rows']:>10,}")
-    deduped = prepare_side("ember", corpus, "ember-dedup", dedup=True)
-    lines.append(f"{f'ember ({args.workers} w, exact+near dedup)':<28}{deduped['seconds']:>9.2f}"
-                 f"{deduped['mb_per_s']:>8.2f}{deduped['peak_rss_mb']:>13.0f}{deduped['rows']:>10,}")
+        lines.append(row(f"ember ({workers} workers)", prepare_side("ember", corpus, f"ember-w{workers}", workers)))
+    lines.append(row(f"ember ({args.workers} w, exact+near dedup)",
+                     prepare_side("ember", corpus, "ember-dedup", dedup=True)))
     if args.rss:
         small = make_corpus(work, 1)
         big = make_corpus(work, args.rss_factor)

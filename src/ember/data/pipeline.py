@@ -37,7 +37,7 @@ class Workers:
             # spawn, not fork: the parent may hold tokenizer threads, and fork copies their locks.
             context = multiprocessing.get_context("spawn")
             self.pool = context.Pool(n, initializer=init_worker,
-                                     initargs=(tokenizer_json, clean, dedup, n > 1))
+                                     initargs=(tokenizer_json, clean, dedup, n > 1, True))
 
     def map(self, items: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, BatchResult]]:
         if self.pool is None:

@@ -130,7 +130,8 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     if shard_size is not None:
         shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
     tokenizer_text = tok.to_str(pretty=True)
-    _refuse_other_tokenizer(out_dir, tokenizer_text)
+    if kind == "file":  # a trained tokenizer's leftovers are this command's own: redo them
+        _refuse_other_tokenizer(out_dir, tokenizer_text)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,10 +35,14 @@ class BatchResult:
     changed: Counter = field(default_factory=Counter)  # documents each transform altered
 
 
-def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bool) -> None:
+def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bool,
+                subprocess: bool = False) -> None:
     if single_thread:
         # Several worker processes already use every core; threads inside each would contend.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if subprocess:
+        # Ctrl-C is the main process's to handle (it stops the pool); workers just end.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tokenizers import Tokenizer
 
     _STATE["tok"] = Tokenizer.from_str(tokenizer_json)
