@@ -84,3 +84,20 @@ def test_cli_prepare_with_sources_and_stats(tmp_path, capsys, monkeypatch):
     assert "Most frequent train tokens" in text and "duplicate ratio" in text
     png = (out / "document_lengths.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def test_cli_takes_sources_and_settings_from_the_toml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text("\n\n".join(f"{name} paragraph {i} with a few plain words."
+                                                          for i in range(150)))
+    (tmp_path / "prep.toml").write_text(
+        '[prepare]\nseq_len = 16\nvocab_size = 300\nworkers = 1\ndoc_boundaries = true\n'
+        '[[source]]\npath = "a.txt"\nweight = 2\n[[source]]\npath = "b.txt"\nweight = 1\n'
+        '[clean]\nlowercase = true\n')
+    assert main(["data", "prepare", "--config", "prep.toml", "--out", "out", "--seq-len", "24", "--quiet"]) == 0
+    m = load_manifest(tmp_path / "out", verify=True)
+    assert m["seq_len"] == 24 and m["vocab_size"] == 300 and m["workers"] == 1 and m["doc_boundaries"]
+    assert m["sources"] == ["a.txt:2", "b.txt:1"] and m["cleaning"]["config"]["lowercase"]
+    a, b = (s["characters"] for s in m["source_stats"])
+    assert abs(a / (a + b) - 2 / 3) < 0.02
