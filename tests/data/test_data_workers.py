@@ -101,3 +101,20 @@ def test_cli_takes_sources_and_settings_from_the_toml(tmp_path, monkeypatch):
     assert m["sources"] == ["a.txt:2", "b.txt:1"] and m["cleaning"]["config"]["lowercase"]
     a, b = (s["characters"] for s in m["source_stats"])
     assert abs(a / (a + b) - 2 / 3) < 0.02
+
+
+def test_a_worker_that_dies_fails_the_run_instead_of_hanging(tmp_path):
+    import pytest
+
+    from ember.data import DataError, train_tokenizer
+    from ember.data.pipeline import Workers
+
+    tok = train_tokenizer("bpe", ["some words to learn from"], 260)
+    batches = ((i, ["a document of a few words"] * 200) for i in range(200))
+    with Workers(1, tok.to_str(), {}, {}) as workers:
+        results = workers.map(batches)
+        next(results)
+        for process in list(workers.pool._processes.values()):
+            process.kill()  # as the kernel's out-of-memory killer would
+        with pytest.raises(DataError, match="worker process died"):
+            list(results)

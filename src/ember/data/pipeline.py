@@ -11,12 +11,15 @@ from __future__ import annotations
 import multiprocessing
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ember.data.dedup import DedupConfig, Deduplicator
+from ember.data.errors import DataError
 from ember.data.packing import SplitWriter, unigram_entropy
 from ember.data.progress import DocumentProgress
 from ember.data.work import BatchResult, init_worker, process
@@ -35,9 +38,11 @@ class Workers:
             init_worker(tokenizer_json, clean, dedup, single_thread=False)
         else:
             # spawn, not fork: the parent may hold tokenizer threads, and fork copies their locks.
-            context = multiprocessing.get_context("spawn")
-            self.pool = context.Pool(n, initializer=init_worker,
-                                     initargs=(tokenizer_json, clean, dedup, n > 1, True))
+            # An executor, not a Pool: a worker killed (out of memory, say) fails the run
+            # instead of leaving it waiting forever.
+            self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=init_worker,
+                                            initargs=(tokenizer_json, clean, dedup, n > 1, True))
 
     def map(self, items: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, BatchResult]]:
         if self.pool is None:
@@ -45,19 +50,22 @@ class Workers:
                 yield meta, process(docs)
             return
         pending: deque = deque()
-        for meta, docs in items:
-            pending.append((meta, self.pool.apply_async(process, (docs,))))
-            if len(pending) >= 2 * self.n:
-                meta_out, result = pending.popleft()
-                yield meta_out, result.get()
-        while pending:
-            meta_out, result = pending.popleft()
-            yield meta_out, result.get()
+        try:
+            for meta, docs in items:
+                pending.append((meta, self.pool.submit(process, docs)))
+                if len(pending) >= 2 * self.n:
+                    meta_out, future = pending.popleft()
+                    yield meta_out, future.result()
+            while pending:
+                meta_out, future = pending.popleft()
+                yield meta_out, future.result()
+        except BrokenProcessPool:
+            raise DataError("a tokenizing worker process died (out of memory?); "
+                            "run the same command again with fewer --workers.") from None
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
 
     def __enter__(self) -> Workers:
