@@ -14,29 +14,6 @@ from pathlib import Path
 from ember.config import ConfigError
 
 
-def _cmd_corpus(args) -> int:
-    from ember.data.corpus import write_stdlib_corpus
-
-    stats = write_stdlib_corpus(Path(args.out))
-    print(f"wrote {stats['documents']:,} documents ({stats['characters'] / 1e6:.1f} M characters) "
-          f"from {stats['files']:,} standard-library files to {args.out}")
-    return 0
-
-
-def _cmd_prepare(args) -> int:
-    from ember.data.prepare import prepare
-
-    manifest = prepare(
-        [Path(p) for p in args.inputs], Path(args.out), tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size, seq_len=args.seq_len, val_fraction=args.val_fraction,
-        seed=args.seed, progress=not args.quiet,
-    )
-    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    print(f"prepared {train['tokens']:,} train and {val['tokens']:,} held-out tokens "
-          f"(vocabulary {manifest['vocab_size']:,}, sequences of {manifest['seq_len']}) in {args.out}")
-    return 0
-
-
 def _cmd_train(args) -> int:
     from ember.config import load_config
     from ember.train.trainer import Trainer
@@ -77,20 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Pretrain transformer language models.")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    data = verbs.add_parser("data", help="prepare text into token shards").add_subparsers(dest="data_verb", required=True)
-    corpus = data.add_parser("corpus", help="write the built-in corpus (Python standard-library docstrings)")
-    corpus.add_argument("--out", required=True, help="JSON-lines file to write")
-    corpus.set_defaults(func=_cmd_corpus)
-    prep = data.add_parser("prepare", help="train or load a tokenizer, tokenize, pack into shards")
-    prep.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders")
-    prep.add_argument("--out", required=True, help="folder for shards, tokenizer.json and manifest.json")
-    prep.add_argument("--tokenizer", default="bpe", help="wordpiece (masked LM), bpe (causal LM) or a tokenizer.json")
-    prep.add_argument("--vocab-size", type=int, default=8192)
-    prep.add_argument("--seq-len", type=int, default=128)
-    prep.add_argument("--val-fraction", type=float, default=0.01)
-    prep.add_argument("--seed", type=int, default=0)
-    prep.add_argument("--quiet", action="store_true", help="no progress bar")
-    prep.set_defaults(func=_cmd_prepare)
+    from ember.data.command import register_data
+    register_data(verbs)
 
     train = verbs.add_parser("train", help="train a model on prepared data")
     train.add_argument("config", help="TOML recipe, e.g. configs/cram-bert.toml")

@@ -3,6 +3,10 @@
 Every document is followed by the separator id; the stream is cut into rows of
 `seq_len` tokens regardless of document boundaries (as GPT-2 and RoBERTa do), and the
 final partial row is dropped. Each shard is written to a temporary name and renamed.
+
+With `boundaries`, each shard gets a companion `<shard>.docs.npz` holding, for every
+row, the positions where a document starts (CSR form: `starts`, and `indptr` with one
+entry per row plus one), so causal training can mask attention across documents.
 """
 
 from __future__ import annotations
@@ -27,11 +31,38 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.npy"
 
 
+def boundaries_name(shard: str) -> str:
+    return shard[: -len(".npy")] + ".docs.npz"
+
+
 def save_shard(path: Path, rows: np.ndarray) -> str:
     """Write `rows` as .npy atomically and return its sha256."""
     buffer = io.BytesIO()
     np.save(buffer, rows, allow_pickle=False)
-    data = buffer.getvalue()
+    return _save_bytes(path, buffer.getvalue())
+
+
+def save_boundaries(path: Path, starts: np.ndarray, indptr: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.savez(buffer, starts=starts, indptr=indptr)
+    return _save_bytes(path, buffer.getvalue())
+
+
+def document_starts(rows: np.ndarray, sep_id: int, after_sep: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, indptr): per row, the positions that begin a document. A position begins
+    one when the token before it (in stream order) is a separator; `after_sep` says
+    whether the token before the first row was one (or the stream begins there)."""
+    flat = rows.ravel()
+    begins = np.empty(len(flat), dtype=bool)
+    begins[0] = after_sep
+    begins[1:] = flat[:-1] == sep_id
+    row, col = np.nonzero(begins.reshape(rows.shape))
+    indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row, minlength=len(rows)), out=indptr[1:])
+    return col.astype(np.uint32), indptr
+
+
+def _save_bytes(path: Path, data: bytes) -> str:
     write_atomic(path, lambda handle: handle.write(data))
     return hashlib.sha256(data).hexdigest()
 
@@ -40,7 +71,7 @@ class SplitWriter:
     """Accepts tokenized documents of one split and writes its shards as they fill."""
 
     def __init__(self, out_dir: Path, split: str, seq_len: int, dtype: str, sep_id: int,
-                 shard_sequences: int, count_vocab: int = 0):
+                 shard_sequences: int, count_vocab: int = 0, boundaries: bool = False):
         self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
         self.dtype, self.sep_id, self.shard_sequences = np.dtype(dtype), sep_id, shard_sequences
         self.tail = np.zeros(0, dtype=self.dtype)  # tokens not yet filling a row
@@ -48,16 +79,29 @@ class SplitWriter:
         self.n_rows_waiting = 0
         self.shards: list[dict] = []
         self.documents = 0
+        self.boundaries = boundaries
+        self._after_sep = True  # the stream begins with a document
         # Token frequencies of the written rows, for the unigram entropy (train only).
         self.counts = np.zeros(count_vocab, dtype=np.int64) if count_vocab else None
 
     def add(self, documents: Sequence[Sequence[int]]) -> None:
         if not documents:
             return
-        self.documents += len(documents)
         sep = [self.sep_id]
         flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(d, sep) for d in documents),
                            dtype=self.dtype)
+        self._add_stream(flat, len(documents))
+
+    def add_flat(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents given as one array of ids and each document's length (all > 0)."""
+        if len(lengths) == 0:
+            return
+        ends = np.cumsum(lengths)
+        flat = np.insert(ids.astype(self.dtype, copy=False), ends, self.sep_id)
+        self._add_stream(flat, len(lengths))
+
+    def _add_stream(self, flat: np.ndarray, n_documents: int) -> None:
+        self.documents += n_documents
         stream = np.concatenate([self.tail, flat])
         n_rows = len(stream) // self.seq_len
         cut = n_rows * self.seq_len
@@ -74,10 +118,17 @@ class SplitWriter:
         self.rows = [rest] if len(rest) else []
         self.n_rows_waiting = len(rest)
         name = shard_name(self.split, len(self.shards))
-        digest = save_shard(self.out_dir / name, np.ascontiguousarray(shard))
+        shard = np.ascontiguousarray(shard)
+        entry = {"file": name, "sequences": int(len(shard))}
+        if self.boundaries:
+            starts, indptr = document_starts(shard, self.sep_id, self._after_sep)
+            docs = boundaries_name(name)
+            entry["doc_boundaries"] = {"file": docs, "sha256": save_boundaries(self.out_dir / docs, starts, indptr)}
+        entry["sha256"] = save_shard(self.out_dir / name, shard)
+        self._after_sep = bool(shard[-1, -1] == self.sep_id)
         if self.counts is not None:
             self.counts += np.bincount(shard.ravel(), minlength=len(self.counts))[: len(self.counts)]
-        self.shards.append({"file": name, "sequences": int(len(shard)), "sha256": digest})
+        self.shards.append(entry)
 
     def finish(self) -> dict:
         """Write the last shard (the partial row is dropped) and return the split's entry."""

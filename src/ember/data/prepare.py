@@ -15,6 +15,7 @@ corpus's held-out set is not biased towards its first documents.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -24,23 +25,27 @@ from pathlib import Path
 import numpy as np
 
 from ember.data.atomic import TMP_SUFFIX, write_text_atomic
+from ember.data.clean import CleanConfig, transform
+from ember.data.dedup import DedupConfig
 from ember.data.errors import DataError
-from ember.data.packing import SplitWriter, token_dtype, unigram_entropy
-from ember.data.progress import DocumentProgress
-from ember.data.sources import input_files, iter_documents, new_counts
+from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
+from ember.data.packing import token_dtype
+from ember.data.prep_config import shard_sequences_for
+from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
+from ember.data.sources import MAX_DOCUMENT_BYTES, new_counts
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
                                   train_tokenizer)
 
 FORMAT = "ember-shards/1"
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
-BATCH_DOCUMENTS = 1000
-_LEFTOVER = re.compile(r"^((train|val)_\d{5,}\.npy|tokenizer\.json|manifest\.json)"
+_LEFTOVER = re.compile(r"^((train|val)_\d{5,}(\.npy|\.docs\.npz)|tokenizer\.json|manifest\.json)"
                        + "(" + re.escape(TMP_SUFFIX) + ")?$")
 
 
-def validate_args(inputs: list[Path], out_dir: Path, tokenizer: str, vocab_size: int, seq_len: int,
-                  val_fraction: float, shard_sequences: int) -> None:
+def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_size: int, seq_len: int,
+                  val_fraction: float, shard_sequences: int, stopping: str = "first_exhausted",
+                  workers: int = 0) -> None:
     """Refuse bad arguments before any compute is spent."""
     if seq_len < 8:
         raise DataError(f"seq_len {seq_len} is too short; use at least 8.")
@@ -53,7 +58,9 @@ def validate_args(inputs: list[Path], out_dir: Path, tokenizer: str, vocab_size:
                         f"use at least {min_vocab_size(tokenizer)}.")
     if tokenizer in KINDS and vocab_size > 2**32 - 1:
         raise DataError(f"vocab_size {vocab_size} is too large; use at most {2**32 - 1}.")
-    input_files(inputs)  # raises DataError for missing inputs or folders without text
+    if not isinstance(workers, int) or workers < 0:
+        raise DataError(f"workers {workers!r} must be a whole number >= 0 (0: tokenize in this process).")
+    check_sources(sources, stopping)  # raises DataError for missing inputs or folders without text
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir} is a file; choose a folder.")
     if (out_dir / MANIFEST).exists():
@@ -87,106 +94,133 @@ def val_mask(seed: int, indices: np.ndarray, val_fraction: float) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) / float(2**53) < val_fraction
 
 
-def _batches(documents, size: int):
-    batch: list[str] = []
-    for doc in documents:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def prepare(inputs: list[Path], out_dir: Path, tokenizer: str = "bpe", vocab_size: int = 8192,
+def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int = 8192,
             seq_len: int = 128, val_fraction: float = 0.01, seed: int = 0,
-            shard_sequences: int = 65536, progress: bool = True) -> dict:
-    """Tokenize `inputs` into packed shards in `out_dir`; return the manifest."""
-    inputs, out_dir = [Path(p) for p in inputs], Path(out_dir)
-    tokenizer = str(tokenizer)
-    validate_args(inputs, out_dir, tokenizer, vocab_size, seq_len, val_fraction, shard_sequences)
+            shard_sequences: int = 65536, progress: bool = True, *, text_field: str = "text",
+            clean: CleanConfig | dict | None = None, dedup: DedupConfig | dict | None = None,
+            workers: int = 0, doc_boundaries: bool = False, stopping: str = "first_exhausted",
+            max_document_bytes: int = MAX_DOCUMENT_BYTES, shard_size: int | str | None = None) -> dict:
+    """Tokenize `inputs` into packed shards in `out_dir`; return the manifest.
+
+    `inputs` are paths, `path:weight` strings or `Source`s (see mixing.py); `clean` and
+    `dedup` are their configs or TOML-style tables; `workers` processes tokenize (0: this
+    process does); `shard_size` (sequences, or a size such as "64MB") replaces
+    `shard_sequences`."""
+    sources = [parse_source(item) for item in inputs]
+    out_dir, tokenizer = Path(out_dir), str(tokenizer)
+    clean = clean if isinstance(clean, CleanConfig) else CleanConfig.from_dict(clean)
+    dedup = dedup if isinstance(dedup, DedupConfig) else DedupConfig.from_dict(dedup)
+    validate_args(sources, out_dir, tokenizer, vocab_size, seq_len, val_fraction, shard_sequences,
+                  stopping, workers)
+    if shard_size is not None:
+        shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
+
+    def stream():
+        return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
     if tokenizer in KINDS:
-        tok = train_tokenizer(tokenizer, iter_documents(inputs), vocab_size, show_progress=progress)
+        texts = (transform(doc, clean) for _, doc in stream())
+        tok = train_tokenizer(tokenizer, texts, vocab_size, show_progress=progress)
         kind = tokenizer
     else:
         tok, kind = load_tokenizer(Path(tokenizer)), "file"
     specials = special_token_ids(tok)
     vocab = max(tok.get_vocab_size(), max(tok.get_vocab().values(), default=-1) + 1)
     dtype = token_dtype(vocab)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out_dir)
+    if shard_size is not None:
+        shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
     tokenizer_text = tok.to_str(pretty=True)
-    write_text_atomic(out_dir / TOKENIZER_FILE, tokenizer_text)
+    if kind == "file":  # a trained tokenizer's leftovers are this command's own: redo them
+        _refuse_other_tokenizer(out_dir, tokenizer_text)
 
-    counts, splits, entropy = _pack(tok, inputs, out_dir, seq_len, dtype, specials["sep"], vocab,
-                                    val_fraction, seed, shard_sequences, progress, force_val=False)
-    if val_fraction > 0 and splits["val"]["sequences"] == 0:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(out_dir, keep=TOKENIZER_FILE)
-        counts, splits, entropy = _pack(tok, inputs, out_dir, seq_len, dtype, specials["sep"], vocab,
-                                        val_fraction, seed, shard_sequences, progress, force_val=True)
-    if counts["documents"] == 0:
-        raise DataError(f"the inputs hold no documents ({counts['not_json']} rows were not JSON, "
-                        f"{counts['no_text_field']} had no text field); check the files and their format.")
-    if splits["train"]["sequences"] == 0:
-        raise DataError(f"the text is too short for seq_len {seq_len}: it gives no full training "
-                        "sequence; add more text or lower --seq-len.")
-    manifest = {
-        "format": FORMAT,
-        "vocab_size": vocab,
-        "seq_len": seq_len,
-        "dtype": dtype,
-        "tokenizer_file": TOKENIZER_FILE,
-        "tokenizer_sha256": _sha256(tokenizer_text),
-        "tokenizer_kind": kind,
-        "tokenizer_source": tokenizer if kind == "file" else None,
-        "special_tokens": specials,
-        "splits": splits,
-        "unigram_entropy": entropy,
-        "sources": [str(p) for p in inputs],
-        "skipped": {key: counts[key] for key in ("empty", "not_json", "no_text_field")},
-        "non_utf8_documents": counts["non_utf8_documents"],
-        "input_files": counts["files"],
-        "input_documents": counts["documents"],
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_text_atomic(out_dir / TOKENIZER_FILE, tokenizer_text)
+        options = dict(seq_len=seq_len, dtype=dtype, sep=specials["sep"], vocab=vocab, val_fraction=val_fraction,
+                       seed=seed, shard_sequences=shard_sequences, progress=progress, dedup=dedup,
+                       boundaries=doc_boundaries, val_mask=val_mask)
+        with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict()) as pool:
+            result = pack_pass(stream(), pool, out_dir, len(sources), force_val=False, **options)
+            if val_fraction > 0 and result.splits["val"]["sequences"] == 0:
+                remove_leftovers(out_dir, keep=TOKENIZER_FILE)
+                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options)
+        counts = _total_counts(sources)
+        counts["empty"] += result.dropped.pop("empty", 0)
+        if counts["documents"] == 0:
+            raise DataError(f"the inputs hold no documents ({counts['not_json']} rows were not JSON, "
+                            f"{counts['no_text_field']} had no text field); check the files and their format.")
+        if result.splits["train"]["sequences"] == 0:
+            raise DataError(f"the text is too short for seq_len {seq_len}: it gives no full training "
+                            "sequence; add more text or lower --seq-len.")
+        manifest = {
+            "format": FORMAT,
+            "vocab_size": vocab,
+            "seq_len": seq_len,
+            "dtype": dtype,
+            "tokenizer_file": TOKENIZER_FILE,
+            "tokenizer_sha256": _sha256(tokenizer_text),
+            "tokenizer_kind": kind,
+            "tokenizer_source": tokenizer if kind == "file" else None,
+            "special_tokens": specials,
+            "splits": result.splits,
+            "unigram_entropy": result.entropy,
+            "sources": [s.describe() for s in sources],
+            "source_stats": _source_stats(sources, result.per_source),
+            "mixing": {"weighted": sources[0].weight is not None and len(sources) > 1, "stopping": stopping},
+            "skipped": {key: counts[key] for key in ("empty", "not_json", "no_text_field")},
+            "skipped_inputs": {key: counts[key] for key in ("too_long", "empty_files")},
+            "non_utf8_documents": counts["non_utf8_documents"],
+            "input_files": counts["files"],
+            "input_documents": counts["documents"],
+            "cleaning": {"config": clean.to_dict(), "changed": dict(result.changed),
+                         "dropped": {k: v for k, v in result.dropped.items() if not k.endswith("_duplicates")}},
+            "dedup": {"config": dedup.to_dict(), "exact_duplicates": result.dropped.get("exact_duplicates", 0),
+                      "near_duplicates": result.dropped.get("near_duplicates", 0)},
+            "documents": sum(s["documents"] for s in result.per_source),
+            "document_tokens": sum(s["tokens"] for s in result.per_source),
+            "characters": sum(s["characters"] for s in result.per_source),
+            "document_length_histogram": {"bin_start_tokens": [2**k for k in range(HISTOGRAM_BINS)],
+                                          "documents": result.histogram.tolist()},
+            "doc_boundaries": doc_boundaries,
+            "workers": workers,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"the disk holding {out_dir} is full ({err.strerror}); free some space and run the "
+                            "same command again (it redoes the unfinished preparation).") from None
+        raise
     return manifest
 
 
-def _pack(tok, inputs: list[Path], out_dir: Path, seq_len: int, dtype: str, sep: int, vocab: int,
-          val_fraction: float, seed: int, shard_sequences: int, progress: bool,
-          force_val: bool) -> tuple[dict, dict, float]:
-    """One pass: tokenize, split, pack, write shards. Returns (source counts, splits,
-    unigram entropy of train). `force_val` sends the first documents to val (docstring)."""
-    writers = {split: SplitWriter(out_dir, split, seq_len, dtype, sep, shard_sequences,
-                                  count_vocab=vocab if split == "train" else 0)
-               for split in ("train", "val")}
-    counts = new_counts()
-    next_index = 0
-    val_tokens = 0  # tokens (separators included) sent to the val split so far
-    with DocumentProgress(enabled=progress) as bar:
-        for batch in _batches(iter_documents(inputs, counts=counts), BATCH_DOCUMENTS):
-            encodings = tok.encode_batch(batch, add_special_tokens=False)
-            is_val = val_mask(seed, np.arange(next_index, next_index + len(batch)), val_fraction)
-            next_index += len(batch)
-            train_ids, val_ids = [], []
-            for enc, to_val in zip(encodings, is_val):
-                if not enc.ids:  # e.g. only characters the normalizer removes
-                    counts["empty"] += 1
-                    continue
-                to_val = to_val or (force_val and val_tokens < seq_len)
-                if to_val:
-                    val_tokens += len(enc.ids) + 1
-                (val_ids if to_val else train_ids).append(enc.ids)
-            writers["train"].add(train_ids)
-            writers["val"].add(val_ids)
-            bar.advance(len(batch), sum(len(d.encode("utf-8")) for d in batch))
-    splits = {split: writer.finish() for split, writer in writers.items()}
-    return counts, splits, unigram_entropy(writers["train"].counts)
+def _refuse_other_tokenizer(out_dir: Path, tokenizer_text: str) -> None:
+    """An interrupted preparation in `out_dir` made with another tokenizer is someone's
+    other dataset, not leftovers to redo: refuse rather than delete its shards."""
+    old = out_dir / TOKENIZER_FILE
+    if not old.is_file() or (out_dir / MANIFEST).exists():
+        return
+    has_shards = any(_LEFTOVER.match(p.name) and p.name.endswith(".npy") for p in out_dir.iterdir())
+    if has_shards and old.read_text(encoding="utf-8", errors="replace") != tokenizer_text:
+        raise DataError(f"{out_dir} holds shards of an unfinished preparation made with another tokenizer; "
+                        "choose another --out, or delete that folder to start over.")
+
+
+def _total_counts(sources: list[Source]) -> dict[str, int]:
+    total = new_counts()
+    for source in sources:
+        for key, value in source.counts.items():
+            total[key] += value
+    return total
+
+
+def _source_stats(sources: list[Source], kept: list[dict]) -> list[dict]:
+    return [{"source": s.path, "weight": s.weight, "documents_read": s.counts["documents"],
+             "skipped": {k: v for k, v in s.counts.items() if k not in ("documents", "files") and v},
+             **k} for s, k in zip(sources, kept)]
 
 
 def _sha256(text: str) -> str:

@@ -1,49 +1,109 @@
-"""Documents from .txt and .jsonl files and folders, streamed, with counted skips.
+"""Documents from local files, folders, globs and Hugging Face datasets, streamed, with
+counted skips.
 
 A `.txt` file holds one document per block of lines separated by a blank line; a
 `.jsonl` (or `.json`, read as JSON lines) file holds one document per row, in the row's
-text field. Rows that cannot be used are counted, not fatal: a large scraped corpus
-always has a few. Bytes that are not UTF-8 become U+FFFD and the document is counted.
+text field; a `.parquet` file holds one per row of its text column, read in row
+batches. Any of the line formats may be compressed as `.gz` or `.zst` and is then
+decompressed as a stream. Rows that cannot be used are counted, not fatal: a large
+scraped corpus always has a few. Bytes that are not UTF-8 become U+FFFD and the document
+is counted. A document longer than `max_document_bytes` is skipped and counted without
+ever being held in memory whole.
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
+import io
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from ember.data.errors import DataError
 
-SUFFIXES = (".txt", ".jsonl", ".json")
-_BLANK_LINE = re.compile(r"\n[ \t\f\v]*\n")
+FORMATS = (".txt", ".jsonl", ".json", ".parquet")
+COMPRESSIONS = (".gz", ".zst")
+MAX_DOCUMENT_BYTES = 16 << 20
+_READ_LIMIT = 1 << 20  # bytes per readline call, so one huge line is never read whole
+_BLANK = b" \t\f\v\r\n"
+_GLOB_CHARS = set("*?[")
 
 
 def new_counts() -> dict[str, int]:
     """Counters that `iter_documents` fills in; the manifest records them."""
     return {"files": 0, "documents": 0, "empty": 0, "not_json": 0, "no_text_field": 0,
-            "non_utf8_documents": 0}
+            "non_utf8_documents": 0, "empty_files": 0, "too_long": 0}
 
 
-def input_files(inputs: list[Path]) -> list[Path]:
-    """The files to read, in a fixed order: folders are searched recursively and sorted."""
+def file_format(path: Path) -> tuple[str, str]:
+    """(format, compression) from the name: ('.jsonl', '.gz') for a.jsonl.gz; format '' if unknown."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compression = suffixes.pop() if suffixes and suffixes[-1] in COMPRESSIONS else ""
+    fmt = suffixes[-1] if suffixes and suffixes[-1] in FORMATS else ""
+    if fmt == ".parquet" and compression:
+        fmt = ""  # parquet compresses inside the file
+    return fmt, compression
+
+
+def _readable(path: Path) -> bool:
+    return path.is_file() and not path.name.startswith(".") and file_format(path)[0] != ""
+
+
+def is_hf_spec(item: str) -> bool:
+    return str(item).startswith("hf:")
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def input_files(inputs: list) -> list[Path]:
+    """The files (and dataset names) to read, in a fixed order: folders are searched
+    recursively and sorted, globs are expanded and sorted."""
     if not inputs:
-        raise DataError("no inputs given; name at least one .txt or .jsonl file or folder.")
-    files: list[Path] = []
-    for item in map(Path, inputs):
-        if item.is_dir():
-            found = sorted(p for p in item.rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                           and not p.name.startswith("."))
+        raise DataError("no inputs given; name at least one .txt, .jsonl or .parquet file or folder.")
+    files: list = []
+    for raw in inputs:
+        if is_hf_spec(str(raw)):
+            files.append(str(raw))
+            continue
+        item = Path(raw)
+        if _GLOB_CHARS & set(str(raw)):
+            found = sorted(Path(p) for p in glob.glob(str(raw), recursive=True) if _readable(Path(p)))
             if not found:
-                raise DataError(f"folder {item} holds no .txt or .jsonl files; point at a folder of text files.")
+                raise DataError(f"the pattern {raw} matches no .txt, .jsonl or .parquet files; check it.")
+            files += found
+        elif is_saved_dataset(item):
+            files.append(item)
+        elif item.is_dir():
+            found = sorted(p for p in item.rglob("*") if _readable(p))
+            if not found:
+                raise DataError(f"folder {item} holds no .txt or .jsonl files, nor .parquet (plain, .gz or .zst); "
+                                "point at a folder of text files.")
             files += found
         elif item.is_file():
-            if item.suffix not in SUFFIXES:
-                raise DataError(f"{item} is not a .txt or .jsonl file; convert it or rename it to one of those.")
+            if not file_format(item)[0]:
+                raise DataError(f"{item} is not a .txt or .jsonl file, nor .parquet (plain, .gz or .zst); "
+                                "convert it or rename it to one of those.")
             files.append(item)
         else:
             raise DataError(f"input {item} does not exist; check the path.")
     return files
+
+
+def _open(path: Path, compression: str) -> io.BufferedIOBase:
+    if compression == ".gz":
+        return gzip.open(path, "rb")
+    if compression == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"reading {path} needs the zstandard package; pip install 'ember[data]'.") from None
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
 
 
 def _decode(data: bytes) -> tuple[str, bool]:
@@ -54,52 +114,166 @@ def _decode(data: bytes) -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
-def _txt_documents(path: Path, counts: dict[str, int]) -> Iterator[str]:
-    text, damaged = _decode(path.read_bytes())
-    for block in _BLANK_LINE.split(text.replace("\r\n", "\n")):
-        block = block.strip()
-        if not block:
+def _lines(handle, limit: int, counts: dict[str, int]) -> Iterator[bytes | None]:
+    """Lines of `handle`; a line longer than `limit` is skipped (read in pieces, never
+    whole) and yields None so the caller can end its document there."""
+    while True:
+        line = handle.readline(_READ_LIMIT)
+        if not line:
+            return
+        if len(line) == _READ_LIMIT and not line.endswith(b"\n"):
+            parts = [line]
+            size = len(line)
+            while size <= limit and not parts[-1].endswith(b"\n"):
+                part = handle.readline(_READ_LIMIT)
+                if not part:
+                    break
+                parts.append(part)
+                size += len(part)
+            if size > limit:
+                line = parts[-1]
+                while not line.endswith(b"\n"):  # skip the rest of the huge line
+                    line = handle.readline(_READ_LIMIT)
+                    if not line:
+                        break
+                counts["too_long"] += 1
+                yield None
+                continue
+            line = b"".join(parts)
+        yield line
+
+
+def _finish_block(block: list[bytes], counts: dict[str, int]) -> str | None:
+    text, damaged = _decode(b"".join(block))
+    text = text.replace("\r\n", "\n").strip()
+    if not text:
+        return None
+    if damaged and "\ufffd" in text:
+        counts["non_utf8_documents"] += 1
+    return text
+
+
+def _txt_documents(handle, counts: dict[str, int], limit: int) -> Iterator[str]:
+    block: list[bytes] = []
+    size = 0
+    skipping = False  # inside a block that grew past the limit
+    for line in _lines(handle, limit, counts):
+        if line is None or (size + len(line) > limit and not skipping):
+            if line is not None:
+                counts["too_long"] += 1
+            block, size, skipping = [], 0, True
             continue
-        if damaged and "\ufffd" in block:
-            counts["non_utf8_documents"] += 1
-        yield block
-
-
-def _jsonl_documents(path: Path, text_field: str, counts: dict[str, int]) -> Iterator[str]:
-    with open(path, "rb") as handle:
-        for raw in handle:
-            if not raw.strip():
-                continue
-            line, damaged = _decode(raw)
-            try:
-                row = json.loads(line)
-            except ValueError:
-                counts["not_json"] += 1
-                continue
-            text = row.get(text_field) if isinstance(row, dict) else None
-            if not isinstance(text, str):
-                counts["no_text_field"] += 1
-                continue
-            text = text.strip()
-            if not text:
-                counts["empty"] += 1
-                continue
-            if damaged and "\ufffd" in text:
-                counts["non_utf8_documents"] += 1
+        if not line.strip(_BLANK) and b"\r" not in line.rstrip(b"\r\n"):
+            if block and not skipping:
+                text = _finish_block(block, counts)
+                if text:
+                    yield text
+            block, size, skipping = [], 0, False
+        elif not skipping:
+            block.append(line)
+            size += len(line)
+    if block and not skipping:
+        text = _finish_block(block, counts)
+        if text:
             yield text
 
 
-def iter_documents(inputs: list[Path], text_field: str = "text",
-                   counts: dict[str, int] | None = None) -> Iterator[str]:
+def _row_text(row, text_field: str, damaged: bool, counts: dict[str, int]) -> str | None:
+    text = row.get(text_field) if isinstance(row, dict) else None
+    if not isinstance(text, str):
+        counts["no_text_field"] += 1
+        return None
+    text = text.strip()
+    if not text:
+        counts["empty"] += 1
+        return None
+    if damaged and "\ufffd" in text:
+        counts["non_utf8_documents"] += 1
+    return text
+
+
+def _jsonl_documents(handle, text_field: str, counts: dict[str, int], limit: int) -> Iterator[str]:
+    for raw in _lines(handle, limit, counts):
+        if raw is None or not raw.strip():
+            continue
+        line, damaged = _decode(raw)
+        try:
+            row = json.loads(line)
+        except ValueError:
+            counts["not_json"] += 1
+            continue
+        text = _row_text(row, text_field, damaged, counts)
+        if text is not None:
+            yield text
+
+
+def _parquet_documents(path: Path, text_field: str, counts: dict[str, int], limit: int) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs the pyarrow package; pip install 'ember[data]'.") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises its own ArrowInvalid for damaged files
+        raise DataError(f"{path} is not a readable parquet file ({err}); check the file.") from None
+    names = parquet.schema_arrow.names
+    if text_field not in names:
+        raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(names)}); "
+                        "pass --text-field with the text column's name.")
+    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and len(text) > limit:
+                counts["too_long"] += 1
+                continue
+            text = _row_text({text_field: text}, text_field, False, counts)
+            if text is not None:
+                yield text
+
+
+def file_documents(path, text_field: str, counts: dict[str, int],
+                   limit: int = MAX_DOCUMENT_BYTES, split: str | None = None,
+                   data_files=None, config: str | None = None) -> Iterator[str]:
+    """Documents of one input (a file, a saved dataset folder or an `hf:` name)."""
+    counts["files"] += 1
+    if is_hf_spec(str(path)) or is_saved_dataset(Path(path)):
+        from ember.data.hf import hf_documents
+
+        docs = hf_documents(str(path), text_field, counts, limit, split, data_files, config)
+    else:
+        path = Path(path)
+        if path.stat().st_size == 0:
+            counts["empty_files"] += 1
+            return
+        fmt, compression = file_format(path)
+        if fmt == ".parquet":
+            docs = _parquet_documents(path, text_field, counts, limit)
+        else:
+            docs = _read_lines_format(path, fmt, compression, text_field, counts, limit)
+    for doc in docs:
+        counts["documents"] += 1
+        yield doc
+
+
+def _read_lines_format(path: Path, fmt: str, compression: str, text_field: str,
+                       counts: dict[str, int], limit: int) -> Iterator[str]:
+    with _open(path, compression) as handle:
+        try:
+            if fmt == ".txt":
+                yield from _txt_documents(handle, counts, limit)
+            else:
+                yield from _jsonl_documents(handle, text_field, counts, limit)
+        except (OSError, EOFError) as err:
+            if isinstance(err, OSError) and err.errno is not None:
+                raise
+            raise DataError(f"{path} is not a readable {compression or fmt} file ({err}); "
+                            "check the file.") from None
+
+
+def iter_documents(inputs: list, text_field: str = "text",
+                   counts: dict[str, int] | None = None,
+                   max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
     """Yield every non-empty document of `inputs`; pass `counts` (from `new_counts()`)
     to learn how many rows were skipped and why."""
     counts = new_counts() if counts is None else counts
     for path in input_files(inputs):
-        counts["files"] += 1
-        if path.suffix == ".txt":
-            docs = _txt_documents(path, counts)
-        else:
-            docs = _jsonl_documents(path, text_field, counts)
-        for doc in docs:
-            counts["documents"] += 1
-            yield doc
+        yield from file_documents(path, text_field, counts, max_document_bytes)

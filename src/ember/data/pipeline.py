@@ -1,0 +1,156 @@
+"""One packing pass: documents -> worker processes -> split, dedup, pack, write, in input order.
+
+Workers clean and tokenize batches in parallel; the main process takes their results
+strictly in submission order, so the shards are byte-identical whatever the worker
+count. At most `2 * workers` batches are in flight, which bounds memory: the input is
+read only as fast as the workers consume it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ember.data.dedup import DedupConfig, Deduplicator
+from ember.data.errors import DataError
+from ember.data.packing import SplitWriter, unigram_entropy
+from ember.data.progress import DocumentProgress
+from ember.data.work import BatchResult, init_worker, process
+
+BATCH_DOCUMENTS = 1000
+HISTOGRAM_BINS = 32  # document lengths in tokens, bin k holding [2**k, 2**(k+1))
+
+
+class Workers:
+    """`work.process` on batches, in `n` spawned processes (none: in this process)."""
+
+    def __init__(self, n: int, tokenizer_json: str, clean: dict, dedup: dict):
+        self.n = n
+        self.pool = None
+        if n == 0:
+            init_worker(tokenizer_json, clean, dedup, single_thread=False)
+        else:
+            # spawn, not fork: the parent may hold tokenizer threads, and fork copies their locks.
+            # An executor, not a Pool: a worker killed (out of memory, say) fails the run
+            # instead of leaving it waiting forever.
+            self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=init_worker,
+                                            initargs=(tokenizer_json, clean, dedup, n > 1, True))
+
+    def map(self, items: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, BatchResult]]:
+        if self.pool is None:
+            for meta, docs in items:
+                yield meta, process(docs)
+            return
+        pending: deque = deque()
+        try:
+            for meta, docs in items:
+                pending.append((meta, self.pool.submit(process, docs)))
+                if len(pending) >= 2 * self.n:
+                    meta_out, future = pending.popleft()
+                    yield meta_out, future.result()
+            while pending:
+                meta_out, future = pending.popleft()
+                yield meta_out, future.result()
+        except BrokenProcessPool:
+            raise DataError("a tokenizing worker process died (out of memory?); "
+                            "run the same command again with fewer --workers.") from None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class PassResult:
+    splits: dict
+    entropy: float
+    dropped: Counter = field(default_factory=Counter)
+    changed: Counter = field(default_factory=Counter)
+    per_source: list = field(default_factory=list)  # {"documents", "tokens", "characters"} kept
+    histogram: np.ndarray = field(default_factory=lambda: np.zeros(HISTOGRAM_BINS, dtype=np.int64))
+    documents_seen: int = 0
+
+
+def _batches(stream: Iterator[tuple[int, str]], size: int) -> Iterator[tuple[np.ndarray, list[str]]]:
+    sources: list[int] = []
+    docs: list[str] = []
+    for source, doc in stream:
+        sources.append(source)
+        docs.append(doc)
+        if len(docs) == size:
+            yield np.array(sources, dtype=np.int64), docs
+            sources, docs = [], []
+    if docs:
+        yield np.array(sources, dtype=np.int64), docs
+
+
+def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path, n_sources: int, *,
+              seq_len: int, dtype: str, sep: int, vocab: int, val_fraction: float, seed: int,
+              shard_sequences: int, progress: bool, force_val: bool, dedup: DedupConfig,
+              boundaries: bool, val_mask: Callable) -> PassResult:
+    """Tokenize, split, dedup and pack `stream`; `force_val` sends the first documents to
+    val until it holds `seq_len` tokens (see prepare.py)."""
+    writers = {split: SplitWriter(out_dir, split, seq_len, dtype, sep, shard_sequences,
+                                  count_vocab=vocab if split == "train" else 0, boundaries=boundaries)
+               for split in ("train", "val")}
+    deduper = Deduplicator(dedup) if (dedup.exact or dedup.near) else None
+    out = PassResult(splits={}, entropy=0.0)
+    kept_docs = np.zeros(n_sources, dtype=np.int64)
+    kept_tokens = np.zeros(n_sources, dtype=np.int64)
+    kept_chars = np.zeros(n_sources, dtype=np.int64)
+    next_index = 0
+    val_tokens = 0
+    with DocumentProgress(enabled=progress) as bar:
+        for sources, result in workers.map(_batches(stream, BATCH_DOCUMENTS)):
+            n = len(sources)
+            is_val = val_mask(seed, np.arange(next_index, next_index + n), val_fraction)
+            next_index += n
+            out.changed.update(result.changed)
+            out.dropped.update(reason for reason in result.dropped if reason is not None)
+            kept = result.lengths > 0
+            if deduper is not None:
+                for i in np.flatnonzero(kept):
+                    key = result.keys[i] if result.keys is not None else None
+                    signature = result.signatures[i] if result.signatures is not None else None
+                    duplicate = deduper.duplicate(key, signature)
+                    if duplicate:
+                        kept[i] = False
+                        out.dropped[duplicate] += 1
+            if force_val and val_tokens < seq_len:
+                for i in np.flatnonzero(kept):
+                    if val_tokens >= seq_len:
+                        break
+                    is_val[i] = True  # hashed to val, or forced there while val is short
+                    val_tokens += int(result.lengths[i]) + 1
+            owner = np.repeat(np.arange(n), result.lengths)
+            for split, chosen in (("train", kept & ~is_val), ("val", kept & is_val)):
+                writers[split].add_flat(result.ids[chosen[owner]], result.lengths[chosen])
+            lengths = result.lengths[kept]
+            kept_docs += np.bincount(sources[kept], minlength=n_sources)
+            kept_tokens += np.bincount(sources[kept], weights=lengths, minlength=n_sources).astype(np.int64)
+            kept_chars += np.bincount(sources[kept], weights=result.chars[kept],
+                                      minlength=n_sources).astype(np.int64)
+            bins = np.minimum(np.log2(np.maximum(lengths, 1)).astype(np.int64), HISTOGRAM_BINS - 1)
+            out.histogram += np.bincount(bins, minlength=HISTOGRAM_BINS)
+            bar.advance(n, result.n_bytes)
+    out.documents_seen = next_index
+    out.splits = {split: writer.finish() for split, writer in writers.items()}
+    out.entropy = unigram_entropy(writers["train"].counts)
+    out.per_source = [{"documents": int(d), "tokens": int(t), "characters": int(c)}
+                      for d, t, c in zip(kept_docs, kept_tokens, kept_chars)]
+    return out
