@@ -92,7 +92,8 @@ def measured_memory(row: dict) -> float | None:
 def predict_row(row: dict):
     setup = row_setup(row)
     if setup["layout"] is None:
-        result = search(setup["model"], setup["cluster"], setup["shape"], fixed=setup["fixed"])
+        # Megatron-LM runs DDP beside tp and pp; ember's own trainer would use ZeRO-1 there.
+        result = search(setup["model"], setup["cluster"], setup["shape"], fixed=setup["fixed"], ember_only=False)
         return setup, result.best
     return setup, rank(setup["model"], setup["cluster"], setup["shape"], [setup["layout"]])[0]
 

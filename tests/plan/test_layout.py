@@ -67,3 +67,14 @@ def test_search_space_is_legal_and_keeps_tp_in_a_node():
     assert any(lo.schedule == "interleaved" for lo in layouts)
     assert any(lo.dp_replicate > 1 and lo.zero for lo in layouts)  # hybrid: shard in a node, replicate across
     assert len(set(layouts)) == len(layouts)
+
+
+def test_the_search_offers_only_layouts_embers_trainer_runs():
+    from ember.plan.layout import ember_refuses
+
+    everything = candidates(LLAMA, 32, 8, TrainShape(8192, 128), ember_only=False)
+    runnable = candidates(LLAMA, 32, 8, TrainShape(8192, 128))
+    refused = [lo for lo in everything if ember_refuses(lo)]
+    assert refused and all(lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) for lo in refused)
+    assert set(runnable) == set(everything) - set(refused)
+    assert any(lo.zero == 0 and lo.tp == lo.pp == 1 for lo in runnable)  # plain DDP alone stays

@@ -113,12 +113,12 @@ def run_plan(args) -> int:
         command = report.train_command(p, model, recipe, cluster, shape)
         if args.json:
             print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
-                              "command": command, "notes": report.command_notes(model, recipe)}, indent=2))
+                              "command": command, "notes": report.command_notes(model, recipe, layout)}, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
         report.print_text(console, report.memory_line(p) + "\n" + command)
-        for note in report.command_notes(model, recipe):
+        for note in report.command_notes(model, recipe, layout):
             report.print_text(console, "note: " + note)
         return 0
 

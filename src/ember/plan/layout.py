@@ -162,11 +162,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def ember_refuses(layout: Layout) -> str | None:
+    """Why ember's trainer would not run a layout that the planner can still predict (other
+    frameworks run it, and published runs use it): plain DDP beside tensor or pipeline
+    parallelism, which ember runs with ZeRO >= 1 (FSDP2) instead."""
+    if layout.zero == 0 and layout.dp > 1 and (layout.tp > 1 or layout.pp > 1):
+        return "ember's trainer runs data parallelism beside tensor or pipeline parallelism with zero >= 1"
+    return None
+
+
 def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
-               max_mbs: int = 256, max_vpp: int = 8, fixed: dict | None = None) -> list[Layout]:
+               max_mbs: int = 256, max_vpp: int = 8, fixed: dict | None = None,
+               ember_only: bool = True) -> list[Layout]:
     """Every legal layout the search considers: tp within a node, every pp, ZeRO 0-3 sharded
     over all data-parallel ranks or within a node (hybrid), micro-batches in powers of two up to `max_mbs`,
-    and all schedules and checkpointing policies. `fixed` pins fields (e.g. tp, pp, dp)."""
+    and all schedules and checkpointing policies. `fixed` pins fields (e.g. tp, pp, dp);
+    `ember_only` keeps the layouts ember's trainer runs (see `ember_refuses`)."""
     fixed = fixed or {}
     out = []
     for tp in divisors(n_gpus):
@@ -188,6 +199,7 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
                     data, micro, schedules, seq_parallel, RECOMPUTE):
                 layout = Layout(tp, pp, shard, rep, zero, sp, vpp, schedule, mbs, recompute)
                 pinned = all(getattr(layout, k) == v for k, v in fixed.items() if k not in ("tp", "pp", "dp"))
-                if pinned and check(layout, model, n_gpus, shape) is None:
+                if pinned and check(layout, model, n_gpus, shape) is None and not (
+                        ember_only and ember_refuses(layout)):
                     out.append(layout)
     return out

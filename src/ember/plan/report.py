@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.plan.cluster import Cluster
-from ember.plan.layout import TrainShape
+from ember.plan.layout import Layout, TrainShape, ember_refuses
 from ember.plan.memory import GIB, total_params
 from ember.plan.predict import Prediction
 
@@ -19,8 +19,7 @@ _MODEL_KEYS = ("objective", "hidden", "layers", "heads", "mlp_hidden", "activati
 
 
 def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cluster, shape: TrainShape) -> str:
-    """The torchrun line that trains `model` with the predicted layout (the trainer's
-    [parallel] section is still to come; until then it rejects the parallel.* keys)."""
+    """The torchrun line that trains `model` with the predicted layout."""
     per_node = min(cluster.gpus_per_node, cluster.n_gpus)
     parts = ["torchrun", f"--nnodes={cluster.nodes}", f"--nproc-per-node={per_node}"]
     if cluster.nodes > 1:
@@ -40,8 +39,11 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     return " ".join(p if p.startswith("$") or "=$" in p else shlex.quote(p) for p in parts)
 
 
-def command_notes(model, recipe: str | None) -> list[str]:
+def command_notes(model, recipe: str | None, layout: Layout | None = None) -> list[str]:
     notes = []
+    refused = layout is not None and ember_refuses(layout)
+    if refused:
+        notes.append(f"{refused}: set parallel.zero=1 in the command.")
     if model.kv_heads != model.heads:
         notes.append(f"{model.name} groups its {model.heads} query heads over {model.kv_heads} key/value heads, "
                      "which ember's model does not implement yet; the command trains full multi-head attention.")

@@ -24,10 +24,12 @@ class SearchResult:
 
 
 def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None,
-           max_mbs: int = 256) -> SearchResult:
-    """Rank every layout of `model` on `cluster` at `shape`; `fixed` pins layout fields."""
+           max_mbs: int = 256, ember_only: bool = True) -> SearchResult:
+    """Rank every layout of `model` on `cluster` at `shape`; `fixed` pins layout fields;
+    `ember_only=False` also ranks layouts only other frameworks run (published runs)."""
     start = time.perf_counter()
-    layouts = candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs, fixed=fixed)
+    layouts = candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs, fixed=fixed,
+                         ember_only=ember_only)
     if not layouts:
         raise ConfigError(f"no layout of {model.name} divides evenly over {cluster.n_gpus} GPUs at a global "
                           f"batch of {shape.global_batch}; try a global batch that is a multiple of the GPU count.")
