@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.export.command import register_export
     from ember.plan.command import register_plan
     from ember.plan.tune_command import register_tune
+    from ember.train.bench import register_bench
+    register_bench(verbs)
     register_eval(verbs)
     register_export(verbs)
     register_plan(verbs)

@@ -91,6 +91,9 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     seed: int = 0  # model initialisation and dropout
+    # Profile the logged steps for where the time goes (compute, exposed communication,
+    # pipeline bubble): auto = under torchrun only, where there is communication to see.
+    breakdown: str = "auto"  # auto, on, off
 
 
 @dataclass
@@ -129,6 +132,7 @@ _CHOICES = {
     "model.positions": ("learned", "sinusoidal", "rotary"),
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
+    "train.breakdown": ("auto", "on", "off"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
 }

@@ -37,6 +37,9 @@ def test_torchrun_two_processes_writes_one_run(dataset, tmp_path):
     for r in (r for r in records if "loss" in r):  # every step is logged, so every step is timed
         assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
         assert r["forward_s"] + r["backward_s"] <= r["forward_backward_s"]
+        # Under torchrun logged steps are profiled: ZeRO-2 reduce-scatters gradients.
+        assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["exposed_comm_s"] <= r["comm_s"]
+        assert r["bubble_s"] == 0  # no pipeline, no point-to-point transfers
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["peak_memory_gib"] > 0

@@ -33,7 +33,7 @@ from ember.plan.predict import Prediction
 GIB = 2**30
 # Keys every trial sets so that it measures steps, not evaluation or checkpoints.
 TRIAL_SETTINGS = {"train.log_every": 1, "train.eval_every": "1000000steps", "train.eval_batches": 1,
-                  "train.checkpoint_every": "1000000steps"}
+                  "train.checkpoint_every": "1000000steps", "train.breakdown": "off"}
 
 
 def parallel_trainer() -> bool:

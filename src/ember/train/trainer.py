@@ -23,6 +23,7 @@ from ember.parallel.engine import PhaseTimer, build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
 from ember.parallel.validate import check_layout, check_world
 from ember.plan.cost import model_flops_per_token
+from ember.train.breakdown import StepProfiler, reduce_over_ranks
 from ember.train import checkpoint as ckpt
 from ember.train import saving
 from ember.train.device import autocast_dtype, device_name, device_peak_flops, pick_device, synchronize
@@ -116,6 +117,9 @@ class Trainer:
                                    lambda module: build_optimizer(module, cfg.optim, self.device))
         self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
         self.timer = self.engine.timer = PhaseTimer(self.device)
+        self.profiler = StepProfiler(self.device)
+        breakdown = self.cfg.train.breakdown
+        self.breakdown = breakdown == "on" or (breakdown == "auto" and self.world > 1)
         self.dp_rank, self.dp_size = self.topo.coordinate("dp"), self.topo.size("dp")
         if self.dp_size > 1:  # dropout: other rows, other draws
             torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
@@ -237,8 +241,11 @@ class Trainer:
             # Whole micro-batches on every data-parallel rank, however the ramp rounds.
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch * self.dp_size)
             step_start = time.perf_counter()
-            self.timer.enabled = (progress.step + 1) % t.log_every == 0  # time the steps that are logged
-            loss, grad_norm, count = self.train_step(n, lr)
+            # Time (and, with train.breakdown, profile) the steps that are logged.
+            self.timer.enabled = (progress.step + 1) % t.log_every == 0
+            self.profiler.enabled = self.timer.enabled and self.breakdown
+            with self.profiler.step():
+                loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step += 1
             progress.tokens += tokens
@@ -251,7 +258,8 @@ class Trainer:
                     progress.elapsed_s = time.perf_counter() - start
                 window["seconds"] += time.perf_counter() - step_start
                 self.last_loss = float(loss)
-                record = self._record(progress, lr, grad_norm, window) | self.timer.read()
+                record = (self._record(progress, lr, grad_norm, window) | self.timer.read()
+                          | reduce_over_ranks(self.profiler.read(), self.topo))
                 log.write(record)
                 bar.update(progress.fraction(self.budget), self._bar_stats(record))
                 window = {"tokens": 0, "flops": 0.0, "seconds": 0.0}
@@ -323,7 +331,7 @@ class Trainer:
             "val_loss": self.last_val, "unigram_entropy": self.manifest.get("unigram_entropy"),
             "tokens_per_s": progress.tokens / max(progress.elapsed_s, 1e-9),
             "device": device_name(self.device), "run_dir": str(self.run_dir),
-            "world_size": self.world, "peak_memory_gib": round(self._peak_memory_gib(), 3),
+            "world_size": self.world, "peak_memory_gib": round(self.peak_memory_gib(), 3),
         }
         if status == "finished":
             saving.save_model(self, self.run_dir / "model.safetensors")
@@ -334,7 +342,7 @@ class Trainer:
         tmp.replace(self.run_dir / "summary.json")
         return summary
 
-    def _peak_memory_gib(self) -> float:
+    def peak_memory_gib(self) -> float:
         """Peak memory of this rank: allocated GPU memory on CUDA, the process's resident
         set elsewhere (Linux reports it in KiB)."""
         if self.device.type == "cuda":

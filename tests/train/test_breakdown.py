@@ -1,0 +1,93 @@
+"""Where the step time goes: the interval arithmetic on made-up timelines, the names of
+gloo's and NCCL's work, and `ember bench` on real processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, ember_cmd
+from ember.train.breakdown import kind_of, minus, split_time, union
+
+MS = 1_000_000  # nanoseconds
+
+
+def test_union_and_minus():
+    assert union([(5, 9), (0, 2), (1, 3), (9, 10), (4, 4)]) == [(0, 3), (5, 10)]
+    assert minus([(0, 10), (20, 30)], [(2, 4), (8, 22), (25, 26)]) == [(0, 2), (4, 8), (22, 25), (26, 30)]
+    assert minus([(0, 10)], []) == [(0, 10)]
+    assert minus([(0, 10)], [(-5, 15)]) == []
+
+
+def test_names_of_communication():
+    assert kind_of("gloo:all_reduce", False) == "collective"
+    assert kind_of("gloo:reduce_scatter", False) == "collective"
+    assert kind_of("gloo:send", False) == kind_of("gloo:recv", False) == "p2p"
+    assert kind_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", True) == "collective"
+    assert kind_of("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", True) == "p2p"
+    assert kind_of("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_tn", True) == "compute"
+    assert kind_of("aten::mm", False) == "compute"
+    assert kind_of("Optimizer.step#AdamW.step", False) is None  # a span around work, not work
+
+
+def test_overlapped_communication_is_not_exposed():
+    # Main thread computes 0-10 ms and 15-20 ms; a gloo thread all-reduces 5-15 ms:
+    # 5 ms of it hide under compute, 5 ms (10-15) are exposed.
+    events = [("compute", "main", 0, 10 * MS), ("compute", "main", 15 * MS, 20 * MS),
+              ("collective", "gloo", 5 * MS, 15 * MS)]
+    out = split_time(events)
+    assert out == pytest.approx({"compute_s": 0.015, "comm_s": 0.010, "exposed_comm_s": 0.005, "bubble_s": 0.0})
+
+
+def test_a_thread_blocked_in_a_call_is_not_computing():
+    # An aten op that encloses a blocking receive on the same thread: only its edges compute.
+    events = [("compute", "main", 0, 10 * MS), ("p2p", "main", 2 * MS, 9 * MS),
+              ("collective", "gloo", 8 * MS, 12 * MS)]
+    out = split_time(events)
+    assert out["compute_s"] == pytest.approx(0.003)
+    assert out["exposed_comm_s"] == pytest.approx(0.003)  # 8-9 and 10-12 ms: nothing computes then
+    assert out["bubble_s"] == pytest.approx(0.006)  # 2-8 ms waiting; 8-9 is the collective's
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+
+
+def _bench(dataset, nproc, *sets):
+    args = ["bench", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--steps", "2",
+            "--warmup", "1", "--json", *[x for s in TINY + ["train.device=cpu", *sets] for x in ("--set", s)]]
+    cmd = ember_cmd(*args) if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "ember", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def test_bench_of_one_process_sees_no_communication(dataset):
+    result = _bench(dataset, 1)
+    (rank,) = result["ranks"]
+    assert result["world"] == 1 and result["tokens_per_s"] > 0
+    assert rank["forward_s"] > 0 and rank["backward_s"] > 0 and rank["optimizer_s"] > 0
+    assert rank["compute_s"] > 0 and rank["comm_s"] == rank["exposed_comm_s"] == rank["bubble_s"] == 0
+    assert rank["compute_s"] + rank["other_s"] == pytest.approx(rank["profiled_step_s"], rel=1e-6)
+
+
+def test_bench_of_a_pipeline_sees_its_bubble(dataset):
+    result = _bench(dataset, 2, "parallel.pp=2", "parallel.schedule=gpipe")
+    assert result["world"] == 2 and len(result["ranks"]) == 2
+    for rank in result["ranks"]:
+        # GPipe on two stages: each stage waits for the other for part of every step.
+        assert rank["bubble_s"] > 0 and rank["compute_s"] > 0
+        assert rank["bubble_s"] + rank["compute_s"] <= rank["profiled_step_s"]
+        assert "forward_backward_s" in rank and "forward_s" not in rank
+
+
+def test_bench_refuses_a_layout_that_cannot_run(dataset):
+    done = subprocess.run(ember_cmd("bench", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset),
+                                    *[x for s in TINY + ["parallel.tp=2"] for x in ("--set", s)]),
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("ember: error:") and len(done.stderr.strip().splitlines()) == 1
