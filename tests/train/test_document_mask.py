@@ -16,14 +16,9 @@ TINY_GPT = str(REPO / "configs/tiny-gpt.toml")
 MASK = "data.document_mask=true"
 
 
-@pytest.fixture(scope="module")
-def bounded(corpus, tmp_path_factory):
-    from ember.data.prepare import prepare
-
-    out = tmp_path_factory.mktemp("bounded") / "bpe"
-    prepare([corpus], out, tokenizer="bpe", vocab_size=512, seq_len=64, val_fraction=0.05,
-            doc_boundaries=True, progress=False)
-    return out
+@pytest.fixture
+def bounded(bounded_dataset):
+    return bounded_dataset
 
 
 def _args(data, out, *settings, budget="3steps"):
