@@ -34,8 +34,8 @@ class Batches:
         sizes = [len(s) for s in self.shards]
         self.starts = np.cumsum([0] + sizes)  # first global index of each shard, then the total
         self.size = int(self.starts[-1])
-        self.boundaries = ([_load_starts(Path(data_dir), s, self.seq_len) for s in manifest["splits"][split]["shards"]]
-                           if documents else None)
+        shards = manifest["splits"][split]["shards"]
+        self.boundaries = [_load_starts(Path(data_dir), s, self.seq_len) for s in shards] if documents else None
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
 
@@ -134,7 +134,8 @@ def _load_starts(data_dir: Path, shard: dict, seq_len: int) -> tuple[np.ndarray,
         with np.load(path, allow_pickle=False) as npz:
             starts, indptr = npz["starts"].astype(np.int64), npz["indptr"].astype(np.int64)
     except (OSError, ValueError, KeyError) as err:
-        raise DataError(f"{path} is not a readable document-boundary file ({err}); prepare the data again.") from None
+        raise DataError(f"{path} is not a readable document-boundary file ({err}); "
+                        f"prepare the data again.") from None
     if (len(indptr) != shard["sequences"] + 1 or indptr[-1] != len(starts)
             or (len(starts) and (starts.min() < 0 or starts.max() >= seq_len))):
         raise DataError(f"{path} does not match the rows of {shard['file']}; prepare the data again.")
