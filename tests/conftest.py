@@ -38,5 +38,16 @@ def dataset(corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def bounded_dataset(corpus, tmp_path_factory) -> Path:
+    """`dataset` prepared with --doc-boundaries: document starts beside every shard."""
+    from ember.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("bounded") / "bpe"
+    prepare([corpus], out, tokenizer="bpe", vocab_size=512, seq_len=64, val_fraction=0.05,
+            doc_boundaries=True, progress=False)
+    return out
+
+
 def ember_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ember", *args]

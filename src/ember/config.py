@@ -54,6 +54,9 @@ class DataConfig:
     mask_token_frac: float = 0.8  # of the chosen positions: replaced by [MASK]
     random_token_frac: float = 0.1  # replaced by a random token; the rest stay unchanged
     seed: int = 0  # shuffling and masking
+    # Attend only within the token's own document (needs data prepared with --doc-boundaries);
+    # off by default because an arbitrary mask costs SDPA its fastest kernels.
+    document_mask: bool = False
 
 
 @dataclass

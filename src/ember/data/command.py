@@ -103,7 +103,8 @@ def register_data(verbs) -> None:
     prep.add_argument("--text-field", help="the JSON field or parquet column holding the text (default text)")
     prep.add_argument("--shard-size", help="sequences per shard, or a size such as 64MB (default 65536 sequences)")
     prep.add_argument("--workers", type=int, help="tokenizing processes (default: one per core; 0: none)")
-    prep.add_argument("--doc-boundaries", action="store_true", help="save where documents start in each row")
+    prep.add_argument("--doc-boundaries", action="store_true",
+                      help="save where documents start in each row (for data.document_mask)")
     prep.add_argument("--stopping", choices=["first_exhausted", "all_exhausted"], help="when a weighted mix ends")
     prep.add_argument("--normalize", choices=["NFC", "NFKC"], help="Unicode normalisation")
     prep.add_argument("--lowercase", action="store_true")

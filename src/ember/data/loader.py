@@ -4,6 +4,10 @@ The state is one integer, the number of *global* sequences consumed. Sequence or
 a permutation of the whole split drawn from (seed, epoch); each rank takes its
 contiguous slice of every global batch. So a run can stop and resume on another number
 of ranks and still see the same sequences in the same order.
+
+With `documents`, every batch comes with per-row document ids (equal ids = one document),
+read from the `*.docs.npz` starts that `ember data prepare --doc-boundaries` writes, for
+attention that stays inside each document.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ember.data.errors import DataError
 
 class Batches:
     def __init__(self, data_dir: Path, manifest: dict, split: str = "train", seed: int = 0,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, documents: bool = False):
         if split not in manifest["splits"]:
             raise DataError(f"the data has no {split!r} split; it has {', '.join(manifest['splits'])}.")
         if not 0 <= rank < world:
@@ -30,6 +34,8 @@ class Batches:
         sizes = [len(s) for s in self.shards]
         self.starts = np.cumsum([0] + sizes)  # first global index of each shard, then the total
         self.size = int(self.starts[-1])
+        shards = manifest["splits"][split]["shards"]
+        self.boundaries = [_load_starts(Path(data_dir), s, self.seq_len) for s in shards] if documents else None
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
 
@@ -57,19 +63,42 @@ class Batches:
             out[where] = self._order(int(epoch))[offsets[where]]
         return out
 
-    def _gather(self, indices: np.ndarray) -> torch.Tensor:
-        """Rows at `indices`, read in ascending order per shard for memmap locality."""
+    def _gather(self, indices: np.ndarray) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rows at `indices` (and their document ids), read in ascending order per shard
+        for memmap locality."""
         out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        begins = np.zeros(out.shape, dtype=bool) if self.boundaries is not None else None
         order = np.argsort(indices, kind="stable")
         sorted_idx = indices[order]
         shard_of = np.searchsorted(self.starts, sorted_idx, side="right") - 1
         for shard in np.unique(shard_of):
             where = shard_of == shard
-            out[order[where]] = self.shards[shard][sorted_idx[where] - self.starts[shard]]
-        return torch.from_numpy(out)
+            local = sorted_idx[where] - self.starts[shard]
+            out[order[where]] = self.shards[shard][local]
+            if begins is not None:
+                begins[order[where]] = self._begins(shard, local)
+        if begins is None:
+            return torch.from_numpy(out)
+        # A document's id is the number of starts before it in the row; a row that begins
+        # mid-document numbers that one 0 as well.
+        ids = np.cumsum(begins, axis=1, dtype=np.int32)
+        ids -= ids[:, :1]
+        return torch.from_numpy(out), torch.from_numpy(ids)
 
-    def next(self, global_n: int) -> torch.Tensor:
-        """This rank's share, (global_n // world, seq_len), of the next global batch."""
+    def _begins(self, shard: int, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), seq_len] booleans, True where a document starts in those rows."""
+        starts, indptr = self.boundaries[shard]
+        first, counts = indptr[rows], indptr[rows + 1] - indptr[rows]
+        row_of = np.repeat(np.arange(len(rows)), counts)
+        # Position in `starts` of each listed start: its row's first, plus its rank in the row.
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        out = np.zeros((len(rows), self.seq_len), dtype=bool)
+        out[row_of, starts[np.repeat(first, counts) + offsets]] = True
+        return out
+
+    def next(self, global_n: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share, (global_n // world, seq_len), of the next global batch; with
+        `documents`, (rows, document ids) of that shape."""
         if global_n < 1 or global_n % self.world:
             raise ValueError(f"global batch {global_n} must be a positive multiple of world size {self.world}.")
         if self.size == 0:
@@ -79,8 +108,9 @@ class Batches:
         self.position += global_n
         return rows
 
-    def fixed(self, n: int) -> torch.Tensor:
-        """The first `n` sequences in file order (all if fewer): a fixed evaluation set."""
+    def fixed(self, n: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The first `n` sequences in file order (all if fewer): a fixed evaluation set
+        (with `documents`, and their document ids)."""
         n = min(n, self.size)
         return self._gather(np.arange(n, dtype=np.int64))
 
@@ -91,3 +121,22 @@ class Batches:
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
         self._orders = {}
+
+
+def _load_starts(data_dir: Path, shard: dict, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's document starts in CSR form (starts, indptr), checked against the shard."""
+    entry = shard.get("doc_boundaries")
+    if entry is None:
+        raise DataError(f"shard {data_dir / shard['file']} has no document boundaries; prepare the data "
+                        f"again with --doc-boundaries.")
+    path = data_dir / entry["file"]
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            starts, indptr = npz["starts"].astype(np.int64), npz["indptr"].astype(np.int64)
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(f"{path} is not a readable document-boundary file ({err}); "
+                        f"prepare the data again.") from None
+    if (len(indptr) != shard["sequences"] + 1 or indptr[-1] != len(starts)
+            or (len(starts) and (starts.min() < 0 or starts.max() >= seq_len))):
+        raise DataError(f"{path} does not match the rows of {shard['file']}; prepare the data again.")
+    return starts, indptr

@@ -58,3 +58,8 @@ def load_manifest(data_dir: Path, verify: bool = False) -> dict:
         for shard in split["shards"]:
             _check_shard(data_dir, shard, int(manifest["seq_len"]), manifest["dtype"], verify)
     return manifest
+
+
+def has_document_boundaries(manifest: dict) -> bool:
+    """Whether every shard lists its document starts (prepared with --doc-boundaries)."""
+    return all("doc_boundaries" in shard for split in manifest["splits"].values() for shard in split["shards"])

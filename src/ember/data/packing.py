@@ -6,7 +6,8 @@ final partial row is dropped. Each shard is written to a temporary name and rena
 
 With `boundaries`, each shard gets a companion `<shard>.docs.npz` holding, for every
 row, the positions where a document starts (CSR form: `starts`, and `indptr` with one
-entry per row plus one), so causal training can mask attention across documents.
+entry per row plus one), which training with `data.document_mask` reads to keep attention
+inside each document.
 """
 
 from __future__ import annotations

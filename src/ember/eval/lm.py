@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ember.config import ConfigError
 from ember.data import Batches, DataError, held_out_seed, load_manifest, make_targets
+from ember.data.manifest import has_document_boundaries
 from ember.eval.run import open_run
 from ember.train.device import autocast, autocast_dtype, device_name, pick_device
 
@@ -38,6 +39,9 @@ def check_data(run, manifest: dict, data_dir: Path) -> None:
                           f"max_seq_len ({m.max_seq_len}); prepare it with --seq-len {m.max_seq_len}.")
     if m.objective == "mlm" and manifest["special_tokens"].get("mask") is None:
         raise ConfigError(f"the data in {data_dir} has no mask token, so a masked LM cannot be scored on it.")
+    if run.config.data.document_mask and not has_document_boundaries(manifest):
+        raise ConfigError(f"the run was trained with data.document_mask=true but the data in {data_dir} has no "
+                          f"document boundaries; prepare it with --doc-boundaries.")
 
 
 @torch.no_grad()
@@ -52,10 +56,11 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
     batch_size = batch_size or cfg.train.micro_batch
     if batch_size < 1 or (batches is not None and batches < 1):
         raise ConfigError("--batches and --batch-size must be at least 1.")
-    val = Batches(data_dir, manifest, "val", seed=cfg.data.seed)
+    val = Batches(data_dir, manifest, "val", seed=cfg.data.seed, documents=cfg.data.document_mask)
     if len(val) == 0:
         raise DataError(f"the data in {data_dir} has no held-out sequences; prepare it with --val-fraction > 0.")
     ids = val.fixed(len(val) if batches is None else batches * batch_size)
+    ids, docs = ids if isinstance(ids, tuple) else (ids, None)  # the run's attention: per document or not
     dev = pick_device(device)
     amp_dtype = autocast_dtype(cfg.train.precision, dev)
     model = run.build_model(device=dev).eval()
@@ -65,10 +70,11 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
         inputs, labels = make_targets(ids[start:start + batch_size], cfg.model.objective, cfg.data,
                                       manifest["special_tokens"], manifest["vocab_size"], held_out_seed(cfg.data.seed), start)
         inputs, labels = inputs.to(dev), labels.to(dev)
+        documents = None if docs is None else docs[start:start + batch_size].to(dev)
         keep = labels != IGNORE
         with autocast(dev, amp_dtype):
             # Only labelled positions reach the output layer, as in sparse prediction.
-            logits = model.head(model.norm(model.trunk(inputs)[keep])).float()
+            logits = model.head(model.norm(model.trunk(inputs, document_ids=documents)[keep])).float()
         loss_sum += float(F.cross_entropy(logits, labels[keep], reduction="sum"))
         correct += int((logits.argmax(-1) == labels[keep]).sum())
         targets += int(keep.sum())

@@ -43,6 +43,31 @@ class Rotary(nn.Module):
         return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+def attention_mask(causal: bool, key_padding_mask: torch.Tensor | None = None,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The boolean mask [B, 1, T, T] (or [B, 1, 1, T]) every layer's attention shares, True
+    where a query may attend to a key, or None when the objective's own pattern suffices.
+
+    Packed pretraining rows have no padding: MLM attends everywhere, causal LM to the past,
+    and SDPA keeps its fast kernels. Right-padded batches (fine-tuning) give
+    `key_padding_mask` [B, T] (True = a real token); a causal model never sees later pads,
+    so only MLM needs it. `document_ids` [B, T] keeps every token inside its own document
+    (causal: the past of its document); it costs a [B, T, T] mask and SDPA's flash path."""
+    if document_ids is None:
+        if key_padding_mask is None or causal:
+            return None
+        return key_padding_mask[:, None, None, :]
+    seq = document_ids.shape[1]
+    mask = document_ids[:, :, None] == document_ids[:, None, :]
+    if causal:
+        mask = mask & torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+    elif key_padding_mask is not None:
+        # A pad query keeps itself, so that no row is all False (SDPA would give NaN).
+        diagonal = torch.eye(seq, dtype=torch.bool, device=mask.device)
+        mask = mask & (key_padding_mask[:, None, :] | diagonal)
+    return mask[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,19 +87,15 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (from `attention_mask`, True = may attend) replaces the objective's own
+        pattern; None keeps SDPA's fast paths (causal or no mask)."""
         q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        # Packed pretraining sequences have no padding: MLM attends everywhere, causal LM to
-        # the past. Right-padded batches (fine-tuning) pass key_padding_mask (True = a real
-        # token); a causal model never sees later pads, so only MLM needs it.
-        mask = None
-        if key_padding_mask is not None and not self.causal:
-            mask = key_padding_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                              dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=self.causal)
+                                             is_causal=self.causal and mask is None)
         batch, _, seq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -109,8 +130,8 @@ class Block(nn.Module):
         # Residual dropout as in GPT-2/BERT; a no-op at the default dropout of 0.
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), key_padding_mask))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

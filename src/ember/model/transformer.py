@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.model.layers import Block, make_norm, sinusoidal_table
+from ember.model.layers import Block, attention_mask, make_norm, sinusoidal_table
 
 IGNORE = -100  # label of positions that predict nothing (the data side's convention)
 
@@ -72,10 +72,14 @@ class Transformer(nn.Module):
                 total -= self.pos_embed.weight.numel()
         return total
 
-    def trunk(self, input_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def trunk(self, input_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+              document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> hidden states [B, T, hidden] after the last block, before
         the final norm. `key_padding_mask` [B, T] (True = real token) keeps a masked LM
-        from attending to the pads of a right-padded batch."""
+        from attending to the pads of a right-padded batch; `document_ids` [B, T] (equal
+        ids = one document) keeps attention inside each document of a packed row.
+        Positions still count from the row's start, not the document's: rotary attention
+        depends only on distances, so there a document sees what it would alone."""
         seq = input_ids.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model max_seq_len {self.cfg.max_seq_len}.")
@@ -85,16 +89,18 @@ class Transformer(nn.Module):
         elif self.pos_table is not None:
             x = x + self.pos_table[:seq].to(x.dtype)
         x = self.drop(x)
+        mask = attention_mask(self.cfg.objective == "causal", key_padding_mask, document_ids)
         for block in self.blocks:
-            x = block(x, key_padding_mask)
+            x = block(x, mask)
         return x
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:
+                reduction: str = "mean", document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Without labels: logits [B, T, padded_vocab]. With labels: the cross-entropy over
         positions whose label is not -100, averaged ("mean") or summed ("sum"; the
-        trainer divides by the targets of a whole step, across accumulation and ranks)."""
-        h = self.trunk(input_ids)
+        trainer divides by the targets of a whole step, across accumulation and ranks).
+        `document_ids` [B, T]: attend only within each document (see `trunk`)."""
+        h = self.trunk(input_ids, document_ids=document_ids)
         if labels is None:
             return self.head(self.norm(h))
         if self.cfg.objective == "mlm" and self.cfg.sparse_prediction:

@@ -68,10 +68,14 @@ class Engine:
     optimizers: list[Optimizer]
     timer: PhaseTimer = NO_TIMER  # the trainer's; engines that can split their work time it
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    # `document_ids` (rows x sequence, or None) keeps attention inside each document;
+    # engines that cannot carry it refuse the layout in `validate.check_layout`.
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -113,6 +117,12 @@ def _device_of(parts: list[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
+def _documents(document_ids: torch.Tensor | None, start: int, end: int) -> dict:
+    """The micro-batch's document ids as a keyword, left out when there are none so that a
+    module without the argument (an outside model the trainer is given) still runs."""
+    return {} if document_ids is None else {"document_ids": document_ids[start:end]}
+
+
 class LocalEngine(Engine):
     """One module on this rank: a whole model alone, or under data and tensor parallelism.
     Micro-batches accumulate gradients; with ZeRO-0/1 only the last one reduces them."""
@@ -124,7 +134,8 @@ class LocalEngine(Engine):
         self.module, self.micro_batch, self.device, self.amp_dtype = module, micro_batch, device, amp_dtype
         self.data_parallel, self.loss_context = data_parallel, loss_context
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
         dp = self.data_parallel
         # Wrappers average over dp ranks; multiplying first makes the reduction a sum.
         factor = scale * dp.grad_scale if dp is not None else scale
@@ -136,20 +147,24 @@ class LocalEngine(Engine):
             end = start + self.micro_batch
             with self.loss_context():
                 with self.timer.phase("forward"), autocast(self.device, self.amp_dtype):
-                    part = self.module(inputs[start:end], labels[start:end], reduction="sum")
+                    part = self.module(inputs[start:end], labels[start:end], reduction="sum",
+                                       **_documents(document_ids, start, end))
                 with self.timer.phase("backward"):
                     (part * factor).backward()
             total += _plain(part.detach()).float()
         return total
 
     @torch.no_grad()
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         self.module.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for start in range(0, len(inputs), self.micro_batch):
             end = start + self.micro_batch
             with self.loss_context(), autocast(self.device, self.amp_dtype):
-                total += _plain(self.module(inputs[start:end], labels[start:end], reduction="sum")).double()
+                part = self.module(inputs[start:end], labels[start:end], reduction="sum",
+                                   **_documents(document_ids, start, end))
+                total += _plain(part).double()
         self.module.train()
         return total
 
@@ -209,11 +224,13 @@ class _Rescaled(Engine):
         self.engine, self.factor = engine, factor
         self.parts, self.optimizers = engine.parts, engine.optimizers
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.engine.forward_backward(inputs, labels, scale * self.factor)
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.engine.forward_backward(inputs, labels, scale * self.factor, document_ids)
 
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.engine.loss_sum(inputs, labels)
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.engine.loss_sum(inputs, labels, document_ids)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return self.engine.clip_grad_norm(max_norm)

@@ -113,6 +113,12 @@ def _reshard(parts: list[nn.Module]) -> None:
                 module.reshard()
 
 
+def _no_documents(document_ids: torch.Tensor | None) -> None:
+    # check_layout refuses data.document_mask with pp > 1; reaching here is a bug.
+    if document_ids is not None:
+        raise ValueError("pipeline stages cannot carry document ids; data.document_mask needs parallel.pp=1.")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -220,7 +226,9 @@ class PipelineEngine:
 
     # ---- the engine interface ----------------------------------------------------
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        _no_documents(document_ids)
         n_micro = self._micro_batches(inputs.shape[0])
         schedule = self._schedule(n_micro, inputs, labels)
         self._scale = scale
@@ -235,9 +243,11 @@ class PipelineEngine:
         return self._collect_loss()
 
     @torch.no_grad()
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward only, one micro-batch at a time through the stages in order (no
         overlap: evaluation is rare, and this needs no schedule state)."""
+        _no_documents(document_ids)
         with self._eval_mode(), self._loss_context():
             if self.last is not None:
                 self.last.queue_labels(list(labels.split(self.micro_batch)))

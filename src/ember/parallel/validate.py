@@ -60,6 +60,11 @@ def check_layout(cfg: Config, world: int) -> dict[str, int]:
         if tensor is None:
             raise ConfigError("tensor parallelism (parallel.tp > 1) is not available in this build.")
         tensor.check_tensor_parallel(cfg.model, p.tp, p.sp)
+    if p.pp > 1 and cfg.data.document_mask:
+        # Stages after the first receive only the previous stage's activations, so the
+        # document ids would have to travel through the schedules as a fake activation.
+        raise ConfigError("data.document_mask=true is not supported with pipeline parallelism (parallel.pp > 1): "
+                          "later stages never see the document ids; use data or tensor parallelism instead.")
     if p.pp > 1:
         pipeline = optional_module("pipeline")
         if pipeline is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ember.config import Config, ConfigError, OptimConfig
+from ember.data.manifest import has_document_boundaries
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -43,6 +44,14 @@ def check_data_fits(config: Config, manifest: dict) -> None:
     if m.objective == "mlm" and manifest["special_tokens"].get("mask") is None:
         raise ConfigError("the data's tokenizer has no mask token, so it cannot train a masked LM; "
                           "prepare it with --tokenizer wordpiece or bpe.")
+    check_document_mask(config, manifest)
+
+
+def check_document_mask(config: Config, manifest: dict) -> None:
+    """data.document_mask needs the document starts that only --doc-boundaries writes."""
+    if config.data.document_mask and not has_document_boundaries(manifest):
+        raise ConfigError("data.document_mask=true needs document boundaries, which this data was prepared "
+                          "without; prepare it again with --doc-boundaries or set data.document_mask=false.")
 
 
 # Keys that may change between an interrupted run and its resumption. The layout may:

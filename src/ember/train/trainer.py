@@ -123,10 +123,12 @@ class Trainer:
         self.dp_rank, self.dp_size = self.topo.coordinate("dp"), self.topo.size("dp")
         if self.dp_size > 1:  # dropout: other rows, other draws
             torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
+        docs = cfg.data.document_mask  # then batches are (rows, document ids)
         self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed,
-                                  rank=self.dp_rank, world=self.dp_size)
+                                  rank=self.dp_rank, world=self.dp_size, documents=docs)
         n_val = cfg.train.eval_batches * cfg.train.micro_batch
-        self.val_ids = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed).fixed(n_val)
+        val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs).fixed(n_val)
+        self.val_ids, self.val_docs = val if docs else (val, None)
         self.peak = device_peak_flops(self.device)
 
     def _targets(self, ids: torch.Tensor, seed: int, first_row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -135,9 +137,12 @@ class Trainer:
         inputs, labels = make_targets(ids, self.cfg.model.objective, self.cfg.data,
                                       self.manifest["special_tokens"], self.manifest["vocab_size"], seed, first_row)
         count = int((labels != -100).sum())
-        if self.device.type == "cuda":
-            inputs, labels = inputs.pin_memory(), labels.pin_memory()
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True), count
+        return self._to_device(inputs), self._to_device(labels), count
+
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is not None and self.device.type == "cuda":
+            t = t.pin_memory()
+        return t if t is None else t.to(self.device, non_blocking=True)
 
     def _flops_per_token(self, predicted_fraction: float) -> float:
         return model_flops_per_token(self.cfg.model, self.seq_len, predicted_fraction)
@@ -155,7 +160,8 @@ class Trainer:
             parts.append(self._targets(self.val_ids[start:start + mb], held_out_seed(self.cfg.data.seed), start))
             count += parts[-1][2]
         inputs, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        total = self.topo.all_reduce(self.engine.loss_sum(inputs, labels), ("pp",))
+        loss = self.engine.loss_sum(inputs, labels, document_ids=self._to_device(self.val_docs))
+        total = self.topo.all_reduce(loss, ("pp",))
         return float(total) / max(count, 1)
 
     def train_step(self, n_sequences: int, lr: float) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -166,13 +172,15 @@ class Trainer:
                 group["lr"] = lr
         # This rank's rows are global rows first_row.. of the step (masks hash the global row).
         first_row = self.train_data.position + self.dp_rank * (n_sequences // self.dp_size)
-        inputs, labels, local = self._targets(self.train_data.next(n_sequences), self.cfg.data.seed, first_row)
+        batch = self.train_data.next(n_sequences)
+        ids, docs = batch if isinstance(batch, tuple) else (batch, None)
+        inputs, labels, local = self._targets(ids, self.cfg.data.seed, first_row)
         # Normalise by the targets of the whole global batch, so that accumulation and data
         # parallelism equal one big batch on one device; summed on the host (gloo).
         count = int(self.topo.all_reduce(torch.tensor([local], dtype=torch.int64), ("dp",)))
         timer = self.timer
         with timer.phase("forward_backward"):
-            loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count)
+            loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count, document_ids=self._to_device(docs))
         with timer.phase("optimizer"):
             clip = self.cfg.optim.clip
             norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
