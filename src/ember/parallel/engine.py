@@ -171,7 +171,7 @@ class Wrapper:
         p = self.cfg.parallel
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
-        apply_recompute(module, p.recompute)
+        apply_recompute(module, p.recompute, p.recompute_every)
         if self.cfg.train.compile:
             apply_compile(module)
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
