@@ -113,6 +113,7 @@ class ParallelConfig:
     vpp: int = 1  # virtual stages per pipeline rank (interleaved)
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
     recompute: str = "none"  # activation checkpointing: none, selective, full
+    recompute_every: int = 1  # the policy covers blocks 0, k, 2k, ... (k = this; 1 = every block)
 
 
 @dataclass
@@ -259,6 +260,9 @@ def validate_parallel(p: ParallelConfig) -> None:
     for name in ("dp_replicate", "tp", "pp", "vpp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1.")
+    if p.recompute_every < 1:
+        raise ConfigError(f"parallel.recompute_every must be at least 1 (1 recomputes every block, k every k-th), "
+                          f"not {p.recompute_every}.")
     if p.dp_shard != -1 and p.dp_shard < 1:
         raise ConfigError("parallel.dp_shard must be at least 1, or -1 for the rest of the world size.")
     if p.zero not in (0, 1, 2, 3):

@@ -214,3 +214,64 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"errors": errors, "done": done}, f)
     dist.destroy_process_group()
+
+
+# ---- precision: stages under the trainer's bf16 autocast (CPU autocast supports bf16) ------
+
+def run_precision_case(amp_dtype, mesh, errors: list[str]) -> None:
+    """Train two steps of pp2 1F1B with `amp_dtype` autocast; every Linear of this rank's
+    stages must compute in that dtype (fp32 without autocast), in the schedule's forwards
+    and in evaluation, while parameters and gradients stay fp32 and the loss stays close
+    to the fp32 one-device loss."""
+    name = f"precision {amp_dtype}"
+    want = amp_dtype or torch.float32
+    torch.manual_seed(0)
+    ref = Transformer(model_config("causal", tied=False))
+    model = copy.deepcopy(ref)
+    parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=1, schedule="1f1b")
+    engine = build_pipeline_engine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
+                                   wrap=lambda m: m, make_optimizer=adamw, amp_dtype=amp_dtype)
+    seen: set[torch.dtype] = set()
+    for part in engine.parts:
+        for module in part.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+    for step in range(2):
+        inputs, labels = batch("causal", 8, seed=100 * step + 7)
+        count = int((labels != -100).sum())
+        with torch.no_grad():
+            ref_loss = float(ref(inputs, labels, reduction="sum"))
+        loss = engine.forward_backward(inputs, labels, 1.0 / count)
+        dist.all_reduce(loss, group=mesh["pp"].get_group())
+        if loss.dtype != torch.float32 or not abs(float(loss) - ref_loss) <= 0.03 * abs(ref_loss):
+            errors.append(f"{name} step {step}: loss {float(loss)} ({loss.dtype}) far from fp32 {ref_loss}")
+        grads = [p.grad for part in engine.parts for p in part.parameters()]
+        if any(g is None or g.dtype != torch.float32 or not torch.isfinite(g).all() for g in grads):
+            errors.append(f"{name} step {step}: a gradient is missing, not fp32 or not finite")
+        for opt in engine.optimizers:
+            opt.zero_grad(set_to_none=True)  # no update: the next step compares with the same ref
+        if seen != {want}:
+            errors.append(f"{name} step {step}: Linear outputs were {sorted(map(str, seen))}, not {want}")
+        seen.clear()
+    engine.loss_sum(*batch("causal", 4, seed=999))
+    if seen != {want}:
+        errors.append(f"{name} evaluation: Linear outputs were {sorted(map(str, seen))}, not {want}")
+
+
+def precision_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """2 ranks as pp2: the stages in bf16 autocast, then in fp32 as the control."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    errors: list[str] = []
+    done: list[str] = []
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+        for amp_dtype in (torch.bfloat16, None):
+            run_precision_case(amp_dtype, mesh, errors)
+            done.append(str(amp_dtype))
+    except Exception:
+        errors.append(traceback.format_exc())
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"errors": errors, "done": done}, f)
+    dist.destroy_process_group()

@@ -98,3 +98,14 @@ def test_pipeline_training_equals_one_device(tmp_path):
     assert len(pipeline_worker.cases()) >= 12
     for result in results:
         assert len(result["done"]) == expected
+
+
+def test_pipeline_stages_run_under_the_trainers_autocast(tmp_path):
+    """pp2 in real processes: with bf16 autocast every Linear of every stage computes in
+    bf16 (the precision of the other engines), parameters and gradients stay fp32 and the
+    loss stays near fp32's; without it, fp32 throughout."""
+    mp.spawn(pipeline_worker.precision_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = [f"rank {rank}: {e}" for rank, result in enumerate(results) for e in result["errors"]]
+    assert errors == [], "\n".join(errors)
+    assert all(result["done"] == ["torch.bfloat16", "None"] for result in results)

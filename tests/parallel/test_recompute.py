@@ -9,14 +9,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import REPO, TINY
-from ember.config import load_config
+from ember.config import ConfigError, load_config
 from ember.model import Transformer
-from ember.parallel.recompute import apply_recompute
+from ember.parallel.recompute import apply_recompute, blocks_of
+from ember.parallel.stages import split_model
 from ember.train.trainer import Trainer
 
 
-def _step(dataset, run_dir, recompute, objective):
+def _step(dataset, run_dir, recompute, objective, every=1):
     sets = TINY + ["model.layers=3", f"model.objective={objective}", f"parallel.recompute={recompute}",
+                   f"parallel.recompute_every={every}",
                    "model.dropout=0.1"]  # dropout on: recomputation must redraw the same masks
     trainer = Trainer(load_config(REPO / "configs/tiny-gpt.toml", sets), dataset, run_dir, progress=False)
     trainer.build()
@@ -30,8 +32,8 @@ def _step(dataset, run_dir, recompute, objective):
 @pytest.mark.parametrize("objective", ["causal", "mlm"])
 def test_recompute_gives_the_same_loss_and_gradients(dataset, tmp_path, objective):
     loss, norm, grads = _step(dataset, tmp_path / "none", "none", objective)
-    for mode in ("full", "selective"):
-        loss_r, norm_r, grads_r = _step(dataset, tmp_path / mode, mode, objective)
+    for mode, every in (("full", 1), ("selective", 1), ("full", 2), ("selective", 2)):
+        loss_r, norm_r, grads_r = _step(dataset, tmp_path / f"{mode}{every}", mode, objective, every)
         assert loss_r == pytest.approx(loss, rel=1e-6) and norm_r == pytest.approx(norm, rel=1e-6)
         assert grads_r.keys() == grads.keys()
         for name in grads:
@@ -48,6 +50,33 @@ def test_recompute_checkpoints_the_blocks_it_names():
         assert [n for n, _ in model.named_parameters()] == names
 
 
+def _checkpointed(module):
+    return [i for i, b in blocks_of(module) if "forward" in vars(b)]
+
+
+def test_recompute_every_picks_blocks_by_their_layer_index_also_in_pipeline_stages():
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["model.vocab_size=128", "model.layers=6"])
+    for mode in ("full", "selective"):
+        for every, chosen in ((1, [0, 1, 2, 3, 4, 5]), (2, [0, 2, 4]), (3, [0, 3]), (4, [0, 4]), (7, [0])):
+            model = Transformer(cfg.model)
+            apply_recompute(model, mode, every)
+            assert _checkpointed(model) == chosen
+            # Stages of 3 blocks (0-2, 3-5) and of 2 (0-1, 2-3, 4-5) pick the same blocks:
+            # the count is by the plain model's index, not the position inside a stage.
+            for n_stages in (2, 3):
+                stages = split_model(Transformer(cfg.model), list(range(n_stages)), n_stages)
+                for stage in stages:
+                    apply_recompute(stage, mode, every)
+                assert [i for stage in stages for i in _checkpointed(stage)] == chosen
+
+
+def test_recompute_every_must_be_at_least_one():
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs/tiny-gpt.toml", ["parallel.recompute_every=0"])
+    assert "parallel.recompute_every must be at least 1" in str(info.value)
+    assert "\n" not in str(info.value) and str(info.value).count(". ") == 0
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -58,12 +87,12 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(mode):
+def _backward_ops(mode, every=1):
     """Ops that run during backward: recomputed forward ops show up here."""
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["model.vocab_size=128", "model.layers=4"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    apply_recompute(model, mode)
+    apply_recompute(model, mode, every)
     ids = torch.randint(0, 128, (2, 64))
     loss = model(ids, ids, reduction="sum")
     with _CountOps() as counter:
@@ -79,6 +108,17 @@ def test_selective_recomputes_attention_but_not_projections():
         attention[mode], mm[mode] = _backward_ops(mode)
     assert attention["none"] == 0 and attention["selective"] == attention["full"] == 4  # once per block
     assert mm["selective"] == mm["none"] < mm["full"]  # projections kept, not recomputed
+
+
+def test_recompute_every_recomputes_only_the_chosen_blocks_in_backward():
+    none_mm = _backward_ops("none")[1]
+    full_mm = _backward_ops("full")[1]
+    per_block = (full_mm - none_mm) // 4  # the projections of one recomputed block
+    for every, blocks in ((2, 2), (3, 2), (4, 1)):  # 4 layers: blocks 0,2 / 0,3 / 0
+        attention, mm = _backward_ops("selective", every)
+        assert attention == blocks and mm == none_mm
+        attention, mm = _backward_ops("full", every)
+        assert attention == blocks and mm == none_mm + blocks * per_block
 
 
 def test_compiled_blocks_train_the_same_steps(dataset, tmp_path):

@@ -78,3 +78,14 @@ def test_the_search_offers_only_layouts_embers_trainer_runs():
     assert refused and all(lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) for lo in refused)
     assert set(runnable) == set(everything) - set(refused)
     assert any(lo.zero == 0 and lo.tp == lo.pp == 1 for lo in runnable)  # plain DDP alone stays
+
+
+def test_recompute_every_is_read_written_and_handed_to_the_trainer():
+    lo = parse_layout("tp=2,dp=4,zero=1,recompute=selective,recompute_every=3", 8)
+    assert lo.recompute_every == 3 and lo.recomputed_fraction(32) == 11 / 32  # layers 0, 3, ..., 30
+    assert lo.text().endswith("recompute=selective,recompute_every=3")
+    assert parse_layout(lo.text(), 8) == lo
+    assert lo.settings(SHAPE)["parallel.recompute_every"] == 3
+    assert parse_layout("recompute=none", 8).recomputed_fraction(32) == 0.0
+    with pytest.raises(ConfigError, match="recompute_every must be a positive whole number"):
+        parse_layout("recompute=full,recompute_every=0", 8)

@@ -70,3 +70,18 @@ def test_step_figures_agree_with_each_other():
     assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / A100.peak_bf16_flops)
     assert sum(p.shares.values()) == pytest.approx(1.0, abs=0.02)
     assert 0.2 < p.mfu < A100.matmul_eff
+
+
+def test_recomputing_every_kth_layer_lies_between_none_and_all():
+    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, mbs=2)  # llama2-13b: 40 layers
+    none = _predict(base)
+    full = _predict(Layout(**{**base.__dict__, "recompute": "full"}))
+    assert _predict(Layout(**{**base.__dict__, "recompute": "full", "recompute_every": 1})) == full
+    every = {k: _predict(Layout(**{**base.__dict__, "recompute": "full", "recompute_every": k})) for k in (2, 4)}
+    # Layers 0, 2, ... (20 of 40) and 0, 4, ... (10 of 40) rerun their forward and free their activations.
+    assert every[2].layout.recomputed_fraction(40) == 0.5 and every[4].layout.recomputed_fraction(40) == 0.25
+    assert full.memory.activations < every[2].memory.activations < every[4].memory.activations < none.memory.activations
+    assert every[2].memory.activations == pytest.approx((full.memory.activations + none.memory.activations) / 2)
+    assert none.step_time_s < every[4].step_time_s < every[2].step_time_s < full.step_time_s
+    assert every[2].detail["recompute_s"] == pytest.approx(full.detail["recompute_s"] / 2)
+    assert every[2].hw_tflops_per_gpu < full.hw_tflops_per_gpu

@@ -169,12 +169,19 @@ def gather_to_rank0(state: dict) -> dict:
     return {k: v for part in everything for k, v in part.items()} if everything else {}
 
 
-def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], optimizers: list) -> None:
+def layout(dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    """The parallel degrees a checkpoint records, as the trainer's saving.layout_of gives them."""
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "vpp": 1}
+
+
+def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], optimizers: list,
+               degrees: dict) -> None:
     """Train one step, save, write the reference, then go on one step as if never stopped."""
     import torch.distributed as dist
 
     train_step(model, optimizers, batches()[0])
-    save_sharded(work / name, 1, parts, optimizers, {"progress": {"step": 1}, "data": {"position": 17}})
+    save_sharded(work / name, 1, parts, optimizers, {"progress": {"step": 1}, "data": {"position": 17}},
+                 layout=degrees)
     draws = torch.rand(3)  # what the restored RNG must produce next on this rank
     save_full_model(parts, work / f"{name}.safetensors")
     reference = gather_to_rank0(full_state(parts, optimizers))
@@ -182,23 +189,29 @@ def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], 
     dist.gather_object(draws, rng, dst=0)
     losses = continuation(model, optimizers)
     if dist.get_rank() == 0:
-        torch.save({"state": reference, "losses": losses, "rng": rng}, work / f"ref_{name}.pt")
+        torch.save({"state": reference, "losses": losses, "rng": rng, "layout": degrees}, work / f"ref_{name}.pt")
     dist.barrier()
 
 
-def load_phase(work: Path, name: str, label: str, model: nn.Module, optimizers: list) -> None:
+def load_phase(work: Path, name: str, label: str, model: nn.Module, optimizers: list, degrees: dict) -> None:
+    """Load `name`'s checkpoint under the layout `degrees`: the same state, losses and, only
+    when the layout is the saver's, the saved RNG streams; otherwise the streams this rank
+    had (what a fresh run of its layout starts with)."""
     import torch.distributed as dist
 
     ref = torch.load(work / f"ref_{name}.pt", weights_only=True)
     newest = max((work / name / "checkpoints").iterdir())
-    state = load_sharded(newest, [model], optimizers)
+    own = torch.Generator().set_state(torch.get_rng_state())
+    state = load_sharded(newest, [model], optimizers, layout=degrees)
     draws = torch.rand(3)
     save_full_model([model], work / f"{label}.safetensors")
     got = gather_to_rank0(full_state([model], optimizers))
     losses = continuation(model, optimizers)
     assert state == {"progress": {"step": 1}, "data": {"position": 17}}, state
-    if dist.get_world_size() == len(ref["rng"]):
+    if dist.get_world_size() == len(ref["rng"]) and ref.get("layout") == degrees:
         assert torch.equal(draws, ref["rng"][dist.get_rank()]), "RNG state not restored"
+    else:
+        assert torch.equal(draws, torch.rand(3, generator=own)), "RNG state of another layout restored"
     if dist.get_rank() == 0:
         assert_same_state(got, ref["state"])
         assert_same_losses(losses, ref["losses"])
@@ -227,12 +240,13 @@ def main() -> None:
 
     def save_whole(name: str) -> None:
         model, optimizers = fsdp(mesh)
-        save_phase(work, name, model, [model], optimizers)
+        save_phase(work, name, model, [model], optimizers, layout(dp_shard=world))
 
     if launch == "dp4":
         check("save_fsdp4", lambda: save_whole("dp4"))
         hybrid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        check("hsdp2x2_from_dp4", lambda: load_phase(work, "dp4", "hsdp2x2_from_dp4", *fsdp(hybrid)))
+        check("hsdp2x2_from_dp4", lambda: load_phase(work, "dp4", "hsdp2x2_from_dp4", *fsdp(hybrid),
+                                                     layout(dp_replicate=2, dp_shard=2)))
     else:
         check("save_fsdp2", lambda: save_whole("fsdp2"))
 
@@ -244,7 +258,8 @@ def main() -> None:
             # Every rank trains the whole model (no communication needed), but each saves
             # only the parts a pipeline rank would hold.
             train_step(model, optimizers[0] + optimizers[1], batches()[0])
-            save_sharded(work / "pp2", 1, parts[mine], optimizers[mine], {"progress": {"step": 1}})
+            save_sharded(work / "pp2", 1, parts[mine], optimizers[mine], {"progress": {"step": 1}},
+                         layout=layout(pp=2))
             save_full_model(parts[mine], work / "pp2.safetensors")
             reference = gather_to_rank0(full_state(parts[mine], optimizers[mine]))
             losses = continuation(model, optimizers[0] + optimizers[1])
@@ -252,10 +267,14 @@ def main() -> None:
                 torch.save({"state": reference, "losses": losses}, work / "ref_pp2.pt")
 
         check("save_pp2", save_pipeline_parts)
-        check("tp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "tp2_from_fsdp2", *tensor_parallel(mesh)))
-        check("ddp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "ddp2_from_fsdp2", *ddp()))
-        check("fsdp2_from_dp4", lambda: load_phase(work, "dp4", "fsdp2_from_dp4", *fsdp(mesh)))
-        check("fsdp2_from_single", lambda: load_phase(work, "single", "fsdp2_from_single", *fsdp(mesh)))
+        # Same size, another layout: tensor-parallel ranks must not get two data-parallel streams.
+        check("tp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "tp2_from_fsdp2", *tensor_parallel(mesh),
+                                                   layout(tp=2)))
+        # The same degrees (ZeRO-3 and DDP both shard the batch over dp_shard=2): streams restored.
+        check("ddp2_from_fsdp2", lambda: load_phase(work, "fsdp2", "ddp2_from_fsdp2", *ddp(), layout(dp_shard=2)))
+        check("fsdp2_from_dp4", lambda: load_phase(work, "dp4", "fsdp2_from_dp4", *fsdp(mesh), layout(dp_shard=2)))
+        check("fsdp2_from_single", lambda: load_phase(work, "single", "fsdp2_from_single", *fsdp(mesh),
+                                                      layout(dp_shard=2)))
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(results, every, dst=0)
     if dist.get_rank() == 0:

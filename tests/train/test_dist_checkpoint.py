@@ -69,7 +69,19 @@ def _check(results: dict[str, str], *labels: str) -> None:
 
 
 def test_zero3_x2_checkpoint_resumes_under_tensor_parallel_x2(saved):
-    _check(saved[1], "save_fsdp2", "tp2_from_fsdp2")
+    _check(saved[1], "save_fsdp2", "tp2_from_fsdp2")  # with the tp ranks' own RNG streams
+
+
+def test_rng_streams_are_restored_only_into_the_same_layout():
+    zero3_x2 = worker.layout(dp_shard=2)
+    saved = {"world_size": 2, "layout": zero3_x2}
+    assert dc.restores_rng(saved, 2, worker.layout(dp_shard=2))  # DDP x2 or ZeRO-1 x2: same degrees
+    assert not dc.restores_rng(saved, 2, worker.layout(tp=2))  # same size: tp ranks need equal streams
+    assert not dc.restores_rng(saved, 2, worker.layout(pp=2))
+    assert not dc.restores_rng(saved, 4, worker.layout(dp_shard=4))
+    assert not dc.restores_rng({"world_size": 2}, 2, zero3_x2)  # a checkpoint that names no layout
+    vpp = {**worker.layout(pp=2), "vpp": 2}
+    assert not dc.restores_rng({"world_size": 2, "layout": worker.layout(pp=2)}, 2, vpp)
 
 
 def test_dp4_checkpoint_resumes_under_fsdp_x2(saved):
@@ -81,7 +93,7 @@ def test_dp4_checkpoint_resumes_under_hybrid_sharding(saved):
 
 
 def test_zero3_checkpoint_resumes_under_ddp(saved):
-    _check(saved[1], "save_fsdp2", "ddp2_from_fsdp2")
+    _check(saved[1], "save_fsdp2", "ddp2_from_fsdp2")  # the same degrees: RNG streams restored too
 
 
 def test_one_process_checkpoint_resumes_under_zero3_x2(saved):

@@ -46,10 +46,11 @@ def _fsdp():
 
 
 def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: torch.device,
-                        param_dtype: torch.dtype | None) -> DataParallel | None:
-    """Wrap `module` in place for the run's data-parallel layout; None when dp is 1."""
+                        param_dtype: torch.dtype | None, alone: bool = False) -> DataParallel | None:
+    """Wrap `module` in place for the run's data-parallel layout; None when dp is 1, unless
+    `alone` asks for the wrappers over one rank anyway (to measure their own cost)."""
     dp = topo.size("dp")
-    if dp == 1:
+    if dp == 1 and not alone:
         return None
     if zero == 0:
         from torch.distributed._composable.replicate import replicate

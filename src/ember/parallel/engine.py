@@ -186,7 +186,7 @@ class Wrapper:
         p = self.cfg.parallel
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
-        apply_recompute(module, p.recompute)
+        apply_recompute(module, p.recompute, p.recompute_every)
         if self.cfg.train.compile:
             apply_compile(module)
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
@@ -208,7 +208,7 @@ def build_engine(cfg: Config, model: nn.Module, topo: Topology, device: torch.de
         if pipeline is None:
             raise ConfigError("pipeline parallelism is not available in this build.")
         engine = pipeline.build_pipeline_engine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device,
-                                                wrap, make_optimizer)
+                                                wrap, make_optimizer, amp_dtype)
         return _Rescaled(engine, topo.size("dp")) if topo.size("dp") > 1 else engine
     module = wrap(model)
     # The optimizer is built after wrapping so that it holds the sharded parameters.

@@ -24,6 +24,7 @@ from torch.distributed import pipelining
 
 from ember.config import ConfigError, ModelConfig
 from ember.parallel.stages import StageModule, split_model, stage_ranks
+from ember.train.device import autocast_forward
 
 try:  # DTensor grads come from FSDP2 / tensor parallel wrapping of a stage.
     from torch.distributed.tensor import DTensor
@@ -128,7 +129,8 @@ class PipelineEngine:
     optimizer per part. All ranks of a pipeline group call every method together."""
 
     def __init__(self, model: nn.Module, mesh, parallel: Any, micro_batch: int, device: torch.device,
-                 wrap: Callable[[nn.Module], nn.Module], make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]):
+                 wrap: Callable[[nn.Module], nn.Module], make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 amp_dtype: torch.dtype | None = None):
         check_pipeline(model.cfg, parallel)
         self.cfg: ModelConfig = model.cfg
         self.pp, self.vpp, self.schedule_name = int(parallel.pp), int(parallel.vpp), str(parallel.schedule)
@@ -142,6 +144,8 @@ class PipelineEngine:
         self.owner = stage_ranks(self.pp, self.vpp, style)  # pipeline rank of each stage
         ids = [s for s, r in enumerate(self.owner) if r == self.rank]
         self.stage_modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, self.n_stages)]
+        for m in self.stage_modules:  # the precision of the other engines; the schedules enter no autocast
+            autocast_forward(m, device, amp_dtype)
         self.parts: list[nn.Module] = [wrap(m) for m in self.stage_modules]
         if self.schedule_name in ZERO_BUBBLE:
             from torch._dynamo.eval_frame import OptimizedModule
@@ -373,8 +377,10 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 def build_pipeline_engine(model: nn.Module, mesh, parallel: Any, micro_batch: int, device: torch.device,
                           wrap: Callable[[nn.Module], nn.Module],
-                          make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> PipelineEngine:
+                          make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                          amp_dtype: torch.dtype | None = None) -> PipelineEngine:
     """Split `model` (a Transformer) into pp * vpp stages, keep this rank's (mesh["pp"]),
-    wrap each (tensor/data parallel, checkpointing, compile: the trainer's `wrap`), and
-    give each an optimizer; the engine builds schedules per micro-batch count on demand."""
-    return PipelineEngine(model, mesh, parallel, micro_batch, device, wrap, make_optimizer)
+    run their forwards (and the loss) under `amp_dtype` autocast, wrap each (tensor/data
+    parallel, checkpointing, compile: the trainer's `wrap`), and give each an optimizer;
+    the engine builds schedules per micro-batch count on demand."""
+    return PipelineEngine(model, mesh, parallel, micro_batch, device, wrap, make_optimizer, amp_dtype)

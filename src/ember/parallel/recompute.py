@@ -10,6 +10,12 @@ and checkpoints, tensor-parallel plans and FSDP see the same tree in every layou
   softmax, the weighted sum), norms, activations and dropout. The projections are most of
   the compute and the attention core most of the memory per FLOP (Korthikanti et al.,
   the policy `ember plan` models as "selective").
+
+`every = k` applies the policy to blocks 0, k, 2k, ... only, counted by the plain model's
+layer index, so a pipeline stage holding blocks 6..8 picks the same blocks the whole model
+would. The rest keep all their activations: memory traded back for speed, like
+Megatron-LM's partial recomputation. Block 0 is always included because the first
+pipeline stage holds the most micro-batches in flight under 1F1B.
 """
 
 from __future__ import annotations
@@ -49,13 +55,20 @@ def _selective(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
-def apply_recompute(module: nn.Module, mode: str) -> None:
-    """Checkpoint the blocks that `mode` ("none", "selective", "full") selects, in place."""
+def recomputed(index: int, mode: str, every: int = 1) -> bool:
+    """Whether the block with plain-model layer `index` is checkpointed."""
+    return mode != "none" and index % every == 0
+
+
+def apply_recompute(module: nn.Module, mode: str, every: int = 1) -> None:
+    """Checkpoint, in place, the blocks that `mode` ("none", "selective", "full") and
+    `every` (blocks 0, every, 2 x every, ...) select."""
     if mode == "none":
         return
     wrapper = _checkpointed if mode == "full" else _selective
-    for _, block in blocks_of(module):
-        block.forward = functools.partial(wrapper, block.forward)
+    for index, block in blocks_of(module):
+        if recomputed(index, mode, every):
+            block.forward = functools.partial(wrapper, block.forward)
 
 
 def apply_compile(module: nn.Module) -> None:

@@ -9,6 +9,7 @@ Layout keys (the same names the trainer's future [parallel] section will take):
                     3 also weights, each over dp_shard ranks (dp_shard defaults to dp)
   mbs               micro-batch size (sequences); gradient accumulation = global / (dp·mbs)
   recompute         activation checkpointing: none, selective (attention core) or full
+  recompute_every   the policy covers every k-th layer only (1: all); the search keeps 1
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Layout:
     schedule: str = "1f1b"
     mbs: int = 1
     recompute: str = "none"
+    recompute_every: int = 1
 
     @property
     def dp(self) -> int:
@@ -54,6 +56,12 @@ class Layout:
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def recomputed_fraction(self, layers: int) -> float:
+        """The share of the layers the policy covers: layers 0, k, 2k, ... as the trainer picks."""
+        if self.recompute == "none":
+            return 0.0
+        return -(-layers // self.recompute_every) / layers
 
     def micro_batches(self, shape: TrainShape) -> int:
         """Micro-batches each pipeline runs per step (the gradient-accumulation count)."""
@@ -70,18 +78,22 @@ class Layout:
             parts.append(f"zero={self.zero}")
             if self.dp_replicate > 1:
                 parts.append(f"dp_shard={self.dp_shard}")
-        return ",".join(parts + [f"mbs={self.mbs}", f"recompute={self.recompute}"])
+        parts += [f"mbs={self.mbs}", f"recompute={self.recompute}"]
+        if self.recompute != "none" and self.recompute_every > 1:
+            parts.append(f"recompute_every={self.recompute_every}")
+        return ",".join(parts)
 
     def settings(self, shape: TrainShape) -> dict[str, object]:
         """The config keys this layout sets (`--set key=value` for `ember train`)."""
         return {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
                 "parallel.zero": self.zero, "parallel.tp": self.tp, "parallel.sp": str(self.sp).lower(),
                 "parallel.pp": self.pp, "parallel.vpp": self.vpp, "parallel.schedule": self.schedule,
-                "parallel.recompute": self.recompute, "train.micro_batch": self.mbs,
+                "parallel.recompute": self.recompute, "parallel.recompute_every": self.recompute_every,
+                "train.micro_batch": self.mbs,
                 "train.global_batch": shape.global_batch}
 
 
-_INT_KEYS = ("tp", "pp", "dp", "dp_shard", "dp_replicate", "zero", "vpp", "mbs")
+_INT_KEYS = ("tp", "pp", "dp", "dp_shard", "dp_replicate", "zero", "vpp", "mbs", "recompute_every")
 _KEYS = _INT_KEYS + ("sp", "schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -127,7 +139,8 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     schedule = values.get("schedule", "interleaved" if vpp > 1 else "1f1b")
     return Layout(tp=tp, pp=pp, dp_shard=shard, dp_replicate=replicate, zero=zero,
                   sp=values.get("sp", "0") in _TRUE and tp > 1, vpp=vpp, schedule=schedule,
-                  mbs=ints.get("mbs", 1), recompute=values.get("recompute", "none"))
+                  mbs=ints.get("mbs", 1), recompute=values.get("recompute", "none"),
+                  recompute_every=ints.get("recompute_every", 1))
 
 
 def check(layout: Layout, model, n_gpus: int, shape: TrainShape) -> str | None:

@@ -85,6 +85,17 @@ def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: s
     return per_token
 
 
+def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str) -> float:
+    """Bytes per token a layer keeps on average when only some layers are recomputed
+    (`recompute_every`): the covered share keeps the policy's, the rest everything."""
+    covered = layout.recomputed_fraction(model.layers)
+    kept = activation_bytes_per_token(model, seq_len, layout, attention)
+    if covered in (0.0, 1.0):
+        return kept
+    return covered * kept + (1 - covered) * activation_bytes_per_token(model, seq_len, _no_recompute(layout),
+                                                                        attention)
+
+
 def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
     """Micro-batches' worth of the stage's layers holding activations at the peak."""
     p, v, m = layout.pp, layout.vpp, micro_batches
@@ -136,7 +147,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     optimizer = params * OPTIMIZER_BYTES / (shard if layout.zero >= 1 else 1)
     layers = model.layers / layout.pp
     tokens = s * b
-    acts = in_flight(layout, m, stage) * layers * tokens * activation_bytes_per_token(model, s, layout, attention)
+    acts = in_flight(layout, m, stage) * layers * tokens * layer_activation_bytes(model, s, layout, attention)
     if stage == 0:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     logits = 0.0

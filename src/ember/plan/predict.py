@@ -76,7 +76,8 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
     n = model.layers / lo.pp
-    fwd, bwd = layers.forward * n, (layers.backward + layers.recompute) * n
+    # Only the layers `recompute_every` covers rerun their forward.
+    fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * (n * lo.recomputed_fraction(model.layers))
     if stage == 0:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
@@ -152,7 +153,8 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     tokens = shape.tokens
     per_gpu = tokens / step / cluster.n_gpus
     model_flops = model_flops_per_token(model, shape.seq_len, model.predicted_fraction)
-    hw_flops = model_flops + recompute_flops_per_token(model, shape.seq_len, lo.recompute)
+    hw_flops = model_flops + (recompute_flops_per_token(model, shape.seq_len, lo.recompute)
+                              * lo.recomputed_fraction(model.layers))
     shares = {"compute": m * work.compute / step, "tp_comm": m * work.tp_comm / step,
               "pp_comm": m * p2p / step, "dp_comm": (dp_exposed + m * zero3) / step,
               "bubble": bubble / step, "optimizer": optimizer / step}
@@ -168,4 +170,4 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
-    return layers.recompute.compute * model.layers / lo.pp
+    return layers.recompute.compute * model.layers / lo.pp * lo.recomputed_fraction(model.layers)

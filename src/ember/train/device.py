@@ -39,6 +39,21 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def autocast_forward(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Run `module`'s forward under `autocast(device, dtype)`, in place on the instance, for
+    modules that something else calls (pipeline stages run by a schedule). Only the forward:
+    backward then follows the dtypes the forward chose, as in a plain autocast region."""
+    if dtype is None:
+        return
+    forward = module.forward
+
+    def forward_under_autocast(*args, **kwargs):
+        with autocast(device, dtype):
+            return forward(*args, **kwargs)
+
+    module.forward = forward_under_autocast
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

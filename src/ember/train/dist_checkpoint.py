@@ -10,11 +10,10 @@ A sharded checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` (the namin
   compile, activation checkpointing) are stripped and DTensor shards (FSDP, tensor
   parallel) are stored as pieces of the whole tensor, so the keys and shapes do not
   depend on the layout that wrote them and any other layout re-slices them on load;
-- `rng/rank_NNNNN.pt`, each rank's torch RNG state, restored only when the loading
-  world size equals the saving one (another layout has other ranks, so the streams
-  cannot be mapped; dropout then draws a fresh stream, which changes no parameter);
-- `sharded.json` (world size at save time) and `state.json` (progress and data position,
-  the `state` the trainer passes), written by rank 0.
+- `rng/rank_NNNNN.pt`, each rank's torch RNG state, restored only when the loading layout
+  (world size and every parallel degree) is the saving one; see `restores_rng`;
+- `sharded.json` (world size and parallel degrees at save time) and `state.json`
+  (progress and data position, the `state` the trainer passes), written by rank 0.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 fsyncs and renames it, so a
 crash at any moment leaves the newest complete checkpoint loadable.
@@ -155,10 +154,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def restores_rng(saved: dict, world: int, layout: dict | None) -> bool:
+    """Whether each rank gets back the RNG stream the rank of its number saved: only when
+    the world size and every parallel degree (`layout`, as the saver recorded it) are
+    unchanged. Streams encode the layout: tensor-parallel ranks hold equal streams (they
+    must draw the same dropout masks on replicated activations) and data-parallel ranks
+    different ones, so under another layout of the same size rank numbers pair the wrong
+    streams (zero3 x2 -> tp2 would give one tp group two streams, and its ranks would drift
+    apart with dropout > 0). Otherwise the ranks keep the streams a fresh run of their
+    layout starts with."""
+    return saved.get("world_size") == world and saved.get("layout") == layout
+
+
 def save_sharded(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Optimizer],
-                 state: dict, keep: int = 2) -> Path:
+                 state: dict, keep: int = 2, layout: dict | None = None) -> Path:
     """Write this rank's shards of `parts` and `optimizers` for `step`; all ranks call it.
-    Returns the final folder; all but the newest `keep` checkpoints are then removed."""
+    `layout` (the parallel degrees) is recorded for `restores_rng`. Returns the final
+    folder; all but the newest `keep` checkpoints are then removed."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp"
@@ -177,7 +189,7 @@ def save_sharded(run_dir: Path, step: int, parts: list[nn.Module], optimizers: l
     _barrier()  # every rank's files are complete before rank 0 publishes the folder
     if _rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": _world()}))
+        (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": _world(), "layout": layout}))
         _fsync_tree(tmp)
         if final.exists():  # the same step saved twice (a final save right after a periodic one)
             shutil.rmtree(final)
@@ -189,11 +201,12 @@ def save_sharded(run_dir: Path, step: int, parts: list[nn.Module], optimizers: l
     return final
 
 
-def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None) -> dict:
-    """Fill `parts` (and `optimizers`, and this rank's RNG when the world size matches) from
-    a sharded checkpoint written under any layout, or from a one-process checkpoint; all
-    ranks call it. Works without a process group too (one process, a plain Transformer and
-    its AdamW). Returns `state`."""
+def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None,
+                 layout: dict | None = None) -> dict:
+    """Fill `parts` (and `optimizers`, and this rank's RNG when `layout` is the saver's, see
+    `restores_rng`) from a sharded checkpoint written under any layout, or from a
+    one-process checkpoint; all ranks call it. Works without a process group too (one
+    process, a plain Transformer and its AdamW). Returns `state`."""
     path = Path(path)
     if not is_sharded(path):
         if (path / "model.safetensors").is_file() and (path / "optimizer.pt").is_file():
@@ -217,9 +230,9 @@ def load_sharded(path: Path, parts: list[nn.Module], optimizers: list[Optimizer]
                                      options=_OPTIM)
             for group, kept in zip(optimizers[i].param_groups, how):
                 group.update(kept)
-    saved_world = json.loads((path / LAYOUT_FILE).read_text())["world_size"]
+    saved = json.loads((path / LAYOUT_FILE).read_text())
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-    if optimizers is not None and saved_world == _world() and rng_file.is_file():
+    if optimizers is not None and restores_rng(saved, _world(), layout) and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "state.json").read_text())
 

@@ -38,6 +38,15 @@ def _replicated(trainer: "Trainer") -> bool:
     return p.zero == 0 and p.tp == 1 and p.pp == 1
 
 
+def layout_of(trainer: "Trainer") -> dict[str, int]:
+    """The parallel degrees that decide which rank draws which random numbers; a sharded
+    checkpoint restores RNG streams only into the same degrees (`restores_rng`)."""
+    from ember.parallel.mesh import resolve_sizes
+
+    p = trainer.cfg.parallel
+    return {**resolve_sizes(p, trainer.topo.world), "vpp": p.vpp}
+
+
 def save(trainer: "Trainer", step: int, state: dict[str, Any]) -> None:
     """A checkpoint of `step`; every rank calls it."""
     keep = trainer.cfg.train.keep_checkpoints
@@ -47,7 +56,8 @@ def save(trainer: "Trainer", step: int, state: dict[str, Any]) -> None:
         return
     sharded = _sharded()
     if sharded is not None:
-        sharded.save_sharded(trainer.run_dir, step, engine.parts, engine.optimizers, state, keep=keep)
+        sharded.save_sharded(trainer.run_dir, step, engine.parts, engine.optimizers, state, keep=keep,
+                             layout=layout_of(trainer))
     elif _replicated(trainer):
         if topo.is_main:  # every rank holds the same weights and optimizer states
             ckpt.save_checkpoint(trainer.run_dir, step, engine.parts[0], engine.optimizers[0], state, keep=keep)
@@ -64,7 +74,7 @@ def load(trainer: "Trainer", path: Path) -> dict[str, Any]:
     engine = trainer.engine
     sharded = _sharded()
     if sharded is not None and sharded.is_sharded(path):
-        return sharded.load_sharded(path, engine.parts, engine.optimizers)
+        return sharded.load_sharded(path, engine.parts, engine.optimizers, layout=layout_of(trainer))
     if len(engine.parts) != 1 or trainer.topo.world > 1 and not _replicated(trainer):
         raise ConfigError("this checkpoint was written by one process; resume it in one process, or with "
                           "parallel.zero=0 and no tensor or pipeline parallelism.")

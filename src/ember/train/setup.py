@@ -59,7 +59,7 @@ def check_document_mask(config: Config, manifest: dict) -> None:
 _MAY_CHANGE = {("train", "budget"), ("train", "device"), ("train", "compile"),
                ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every"),
                *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
-                                               "vpp", "schedule", "recompute"))}
+                                               "vpp", "schedule", "recompute", "recompute_every"))}
 
 
 def check_resume_config(config: Config, saved_path: Path) -> None:
