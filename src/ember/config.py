@@ -54,6 +54,8 @@ class DataConfig:
     mask_token_frac: float = 0.8  # of the chosen positions: replaced by [MASK]
     random_token_frac: float = 0.1  # replaced by a random token; the rest stay unchanged
     seed: int = 0  # shuffling and masking
+    order: str = "shuffle"  # or "curriculum": first epoch in ascending key order (prepare --curriculum)
+    verify: bool = True  # hash every shard (and its companions) against the manifest before training
 
 
 @dataclass
@@ -124,6 +126,7 @@ class Config:
 
 _CHOICES = {
     "model.objective": ("mlm", "causal"),
+    "data.order": ("shuffle", "curriculum"),
     "model.activation": ("gelu", "geglu", "swiglu"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("learned", "sinusoidal", "rotary"),

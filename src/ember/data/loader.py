@@ -4,6 +4,11 @@ The state is one integer, the number of *global* sequences consumed. Sequence or
 a permutation of the whole split drawn from (seed, epoch); each rank takes its
 contiguous slice of every global batch. So a run can stop and resume on another number
 of ranks and still see the same sequences in the same order.
+
+With `order="curriculum"` the first epoch visits rows in ascending order of the key the
+preparation recorded (`--curriculum`), ties in file order; later epochs shuffle as
+usual. The first epoch's order is a pure function of the data, so the position integer
+still identifies every row, and resume and rank slicing are unchanged.
 """
 
 from __future__ import annotations
@@ -15,10 +20,14 @@ import torch
 
 from ember.data.errors import DataError
 
+ORDERS = ("shuffle", "curriculum")
+
 
 class Batches:
     def __init__(self, data_dir: Path, manifest: dict, split: str = "train", seed: int = 0,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, order: str = "shuffle"):
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r} must be one of {', '.join(ORDERS)}.")
         if split not in manifest["splits"]:
             raise DataError(f"the data has no {split!r} split; it has {', '.join(manifest['splits'])}.")
         if not 0 <= rank < world:
@@ -32,6 +41,7 @@ class Batches:
         self.size = int(self.starts[-1])
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
+        self._curriculum = curriculum_order(Path(data_dir), manifest, split, self.size) if order == "curriculum" else None
 
     def __len__(self) -> int:
         return self.size
@@ -44,7 +54,10 @@ class Batches:
         if epoch not in self._orders:
             # Keep only the epochs a batch can touch: this one and the next.
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.size)
+            if epoch == 0 and self._curriculum is not None:
+                self._orders[epoch] = self._curriculum
+            else:
+                self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.size)
         return self._orders[epoch]
 
     def _indices(self, start: int, count: int) -> np.ndarray:
@@ -91,3 +104,20 @@ class Batches:
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
         self._orders = {}
+
+
+def curriculum_order(data_dir: Path, manifest: dict, split: str, size: int) -> np.ndarray:
+    """Row indices in ascending order of the split's curriculum key (a stable sort, so
+    equal keys keep file order)."""
+    entry = manifest["splits"][split].get("curriculum")
+    if entry is None:
+        raise DataError(f"the data in {data_dir} was prepared without a curriculum key; prepare it again with "
+                        "--curriculum sentence-length or set data.order = \"shuffle\".")
+    path = data_dir / entry["file"]
+    if not path.is_file():
+        raise DataError(f"curriculum keys {path} are missing; prepare the data again.")
+    keys = np.load(path, allow_pickle=False)
+    if keys.shape != (size,):
+        raise DataError(f"{data_dir / entry['file']} holds {keys.shape[0] if keys.ndim else 0} keys for "
+                        f"{size} {split} rows; prepare the data again.")
+    return np.argsort(keys, kind="stable")
