@@ -44,11 +44,30 @@ def boundaries_name(shard: str) -> str:
     return shard[: -len(".npy")] + ".docs.npz"
 
 
+class _HashingWriter:
+    """Passes writes through to `handle`, hashing them on the way."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+
 def save_shard(path: Path, rows: np.ndarray) -> str:
-    """Write `rows` as .npy atomically and return its sha256."""
-    buffer = io.BytesIO()
-    np.save(buffer, rows, allow_pickle=False)
-    return _save_bytes(path, buffer.getvalue())
+    """Write `rows` as .npy atomically and return its sha256. Hashing while writing keeps
+    no encoded copy of the shard in memory (numpy hands a non-file writer chunks of at
+    most 16 MiB)."""
+    digest = []
+
+    def write(handle) -> None:
+        sink = _HashingWriter(handle)
+        np.save(sink, rows, allow_pickle=False)
+        digest.append(sink.digest.hexdigest())
+
+    write_atomic(path, write)
+    return digest[0]
 
 
 def save_boundaries(path: Path, starts: np.ndarray, indptr: np.ndarray) -> str:
@@ -141,7 +160,9 @@ class SplitWriter:
     def _write(self, n: int) -> None:
         waiting = np.concatenate(self.rows) if len(self.rows) > 1 else self.rows[0]
         shard, rest = waiting[:n], waiting[n:]
-        self.rows = [rest] if len(rest) else []
+        # A copy, not a view: a view would keep the whole concatenated buffer alive
+        # until the next shard, doubling the packing buffer.
+        self.rows = [rest.copy()] if len(rest) else []
         self.n_rows_waiting = len(rest)
         name = shard_name(self.split, len(self.shards))
         shard = np.ascontiguousarray(shard)
