@@ -1,5 +1,6 @@
 """A user's mistake gets one sentence and exit status 2, before any compute is spent."""
 
+import shutil
 import subprocess
 
 import pytest
@@ -20,6 +21,7 @@ def _train(dataset, tmp_path, *extra):
     (["--budget", "soon"], "not understood"),
     (["--set", "model.vocab_size=100"], "smaller than the data's vocabulary"),
     (["--set", "model.max_seq_len=16"], "shorter than the data's sequences"),
+    (["--set", "data.order=curriculum"], "needs data prepared with --curriculum sentence-length"),
 ])
 def test_train_mistakes(dataset, tmp_path, capsys, extra, words):
     assert main(_train(dataset, tmp_path, *extra)) == 2
@@ -47,3 +49,21 @@ def test_no_traceback_from_the_real_command(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("ember: error:")
+
+
+def test_a_damaged_shard_stops_training_before_any_step(dataset, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    shard = data / "train_00000.npy"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1  # the high byte of the last id: still a valid id, so only the checksum can tell
+    shard.write_bytes(bytes(raw))
+    args = _train(data, tmp_path, "--budget", "2steps")
+    proc = subprocess.run(ember_cmd(*args), capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "shard" in proc.stderr and str(shard) in proc.stderr and "checksum" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # Turning verification off trains on the same data (the damage is a valid id).
+    assert main([*args, "--set", "data.verify=false"]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").exists()

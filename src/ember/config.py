@@ -57,6 +57,8 @@ class DataConfig:
     # Attend only within the token's own document (needs data prepared with --doc-boundaries);
     # off by default because an arbitrary mask costs SDPA its fastest kernels.
     document_mask: bool = False
+    order: str = "shuffle"  # or "curriculum": first epoch in ascending key order (prepare --curriculum)
+    verify: bool = True  # hash every shard (and its companions) against the manifest before training
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Config:
 
 _CHOICES = {
     "model.objective": ("mlm", "causal"),
+    "data.order": ("shuffle", "curriculum"),
     "model.activation": ("gelu", "geglu", "swiglu"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("learned", "sinusoidal", "rotary"),

@@ -8,7 +8,7 @@ from pathlib import Path
 # prepare()'s settings a flag may give; None means "not given", so the TOML or the default applies.
 _DEFAULTS = {"tokenizer": "bpe", "vocab_size": 8192, "seq_len": 128, "val_fraction": 0.01, "seed": 0,
              "shard_size": None, "workers": None, "doc_boundaries": False, "text_field": "text",
-             "stopping": "first_exhausted"}
+             "stopping": "first_exhausted", "curriculum": None}
 
 
 def default_workers() -> int:
@@ -105,6 +105,8 @@ def register_data(verbs) -> None:
     prep.add_argument("--workers", type=int, help="tokenizing processes (default: one per core; 0: none)")
     prep.add_argument("--doc-boundaries", action="store_true",
                       help="save where documents start in each row (for data.document_mask)")
+    prep.add_argument("--curriculum", choices=["sentence-length"],
+                      help="record a per-row key (mean sentence length in tokens) for data.order = \"curriculum\"")
     prep.add_argument("--stopping", choices=["first_exhausted", "all_exhausted"], help="when a weighted mix ends")
     prep.add_argument("--normalize", choices=["NFC", "NFKC"], help="Unicode normalisation")
     prep.add_argument("--lowercase", action="store_true")

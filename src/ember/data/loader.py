@@ -8,6 +8,11 @@ of ranks and still see the same sequences in the same order.
 With `documents`, every batch comes with per-row document ids (equal ids = one document),
 read from the `*.docs.npz` starts that `ember data prepare --doc-boundaries` writes, for
 attention that stays inside each document.
+
+With `order="curriculum"` the first epoch visits rows in ascending order of the key the
+preparation recorded (`--curriculum`), ties in file order; later epochs shuffle as
+usual. The first epoch's order is a pure function of the data, so the position integer
+still identifies every row, and resume and rank slicing are unchanged.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ import torch
 
 from ember.data.errors import DataError
 
+ORDERS = ("shuffle", "curriculum")
+
 
 class Batches:
     def __init__(self, data_dir: Path, manifest: dict, split: str = "train", seed: int = 0,
-                 rank: int = 0, world: int = 1, documents: bool = False):
+                 rank: int = 0, world: int = 1, documents: bool = False, order: str = "shuffle"):
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r} must be one of {', '.join(ORDERS)}.")
         if split not in manifest["splits"]:
             raise DataError(f"the data has no {split!r} split; it has {', '.join(manifest['splits'])}.")
         if not 0 <= rank < world:
@@ -38,6 +47,7 @@ class Batches:
         self.boundaries = [_load_starts(Path(data_dir), s, self.seq_len) for s in shards] if documents else None
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
+        self._curriculum = curriculum_order(Path(data_dir), manifest, split, self.size) if order == "curriculum" else None
 
     def __len__(self) -> int:
         return self.size
@@ -50,7 +60,10 @@ class Batches:
         if epoch not in self._orders:
             # Keep only the epochs a batch can touch: this one and the next.
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.size)
+            if epoch == 0 and self._curriculum is not None:
+                self._orders[epoch] = self._curriculum
+            else:
+                self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.size)
         return self._orders[epoch]
 
     def _indices(self, start: int, count: int) -> np.ndarray:
@@ -140,3 +153,20 @@ def _load_starts(data_dir: Path, shard: dict, seq_len: int) -> tuple[np.ndarray,
             or (len(starts) and (starts.min() < 0 or starts.max() >= seq_len))):
         raise DataError(f"{path} does not match the rows of {shard['file']}; prepare the data again.")
     return starts, indptr
+
+
+def curriculum_order(data_dir: Path, manifest: dict, split: str, size: int) -> np.ndarray:
+    """Row indices in ascending order of the split's curriculum key (a stable sort, so
+    equal keys keep file order)."""
+    entry = manifest["splits"][split].get("curriculum")
+    if entry is None:
+        raise DataError(f"the data in {data_dir} was prepared without a curriculum key; prepare it again with "
+                        "--curriculum sentence-length or set data.order = \"shuffle\".")
+    path = data_dir / entry["file"]
+    if not path.is_file():
+        raise DataError(f"curriculum keys {path} are missing; prepare the data again.")
+    keys = np.load(path, allow_pickle=False)
+    if keys.shape != (size,):
+        raise DataError(f"{data_dir / entry['file']} holds {keys.shape[0] if keys.ndim else 0} keys for "
+                        f"{size} {split} rows; prepare the data again.")
+    return np.argsort(keys, kind="stable")

@@ -22,7 +22,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str, verify: bool) -> None:
+def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str) -> None:
     path = data_dir / shard["file"]
     if not path.is_file():
         raise DataError(f"shard {path} is missing; prepare the data again.")
@@ -33,13 +33,37 @@ def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str, verify: 
     if array.shape != (shard["sequences"], seq_len) or array.dtype != np.dtype(dtype):
         raise DataError(f"shard {path} holds {array.dtype} {array.shape}, not the {dtype} "
                         f"({shard['sequences']}, {seq_len}) the manifest names; prepare the data again.")
-    if verify and file_sha256(path) != shard["sha256"]:
-        raise DataError(f"shard {path} does not match its checksum; it is damaged, prepare the data again.")
+    if "doc_boundaries" in shard and not (data_dir / shard["doc_boundaries"]["file"]).is_file():
+        raise DataError(f"document boundaries {data_dir / shard['doc_boundaries']['file']} are missing; "
+                        "prepare the data again.")
+
+
+def _listed_files(manifest: dict) -> list[tuple[str, dict]]:
+    """(what, entry) for every file the manifest lists with a sha256, shards first."""
+    files = []
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            files.append(("shard", shard))
+            if "doc_boundaries" in shard:
+                files.append(("document boundaries", shard["doc_boundaries"]))
+        if "curriculum" in split:
+            files.append(("curriculum keys", split["curriculum"]))
+    return files
+
+
+def verify_checksums(data_dir: Path, manifest: dict, part: int = 0, parts: int = 1) -> None:
+    """Hash the listed files (all of them, or every `parts`-th from `part`: under torchrun
+    each rank reads its share, so the data is read once in all) and refuse a damaged one."""
+    for what, entry in list(_listed_files(manifest))[part::parts]:
+        path = Path(data_dir) / entry["file"]
+        if file_sha256(path) != entry["sha256"]:
+            raise DataError(f"{what} {path} does not match its checksum in manifest.json; it is damaged, "
+                            "prepare the data again.")
 
 
 def load_manifest(data_dir: Path, verify: bool = False) -> dict:
     """The manifest of a prepared folder, after checking every shard's shape (and, with
-    `verify`, its sha256)."""
+    `verify`, the sha256 of every shard and of the files that go with them)."""
     data_dir = Path(data_dir)
     path = data_dir / "manifest.json"
     if not path.is_file():  # also when the folder itself is missing
@@ -56,7 +80,12 @@ def load_manifest(data_dir: Path, verify: bool = False) -> dict:
         raise DataError(f"{path} lacks {', '.join(missing) or 'a train or val split'}; prepare the data again.")
     for split in manifest["splits"].values():
         for shard in split["shards"]:
-            _check_shard(data_dir, shard, int(manifest["seq_len"]), manifest["dtype"], verify)
+            _check_shard(data_dir, shard, int(manifest["seq_len"]), manifest["dtype"])
+        if "curriculum" in split and not (data_dir / split["curriculum"]["file"]).is_file():
+            raise DataError(f"curriculum keys {data_dir / split['curriculum']['file']} are missing; "
+                            "prepare the data again.")
+    if verify:
+        verify_checksums(data_dir, manifest)
     return manifest
 
 

@@ -8,6 +8,11 @@ With `boundaries`, each shard gets a companion `<shard>.docs.npz` holding, for e
 row, the positions where a document starts (CSR form: `starts`, and `indptr` with one
 entry per row plus one), which training with `data.document_mask` reads to keep attention
 inside each document.
+
+With `curriculum`, the split also gets `<split>_curriculum.npy`: one float32 per row,
+the mean over the row's tokens of the key of the document each token belongs to (the
+separator counts with the document it ends). The loader can visit rows in ascending key
+order. Only one float per row is kept in memory, never one per token.
 """
 
 from __future__ import annotations
@@ -32,15 +37,38 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.npy"
 
 
+def curriculum_name(split: str) -> str:
+    return f"{split}_curriculum.npy"
+
+
 def boundaries_name(shard: str) -> str:
     return shard[: -len(".npy")] + ".docs.npz"
 
 
+class _HashingWriter:
+    """Passes writes through to `handle`, hashing them on the way."""
+
+    def __init__(self, handle):
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+
 def save_shard(path: Path, rows: np.ndarray) -> str:
-    """Write `rows` as .npy atomically and return its sha256."""
-    buffer = io.BytesIO()
-    np.save(buffer, rows, allow_pickle=False)
-    return _save_bytes(path, buffer.getvalue())
+    """Write `rows` as .npy atomically and return its sha256. Hashing while writing keeps
+    no encoded copy of the shard in memory (numpy hands a non-file writer chunks of at
+    most 16 MiB)."""
+    digest = []
+
+    def write(handle) -> None:
+        sink = _HashingWriter(handle)
+        np.save(sink, rows, allow_pickle=False)
+        digest.append(sink.digest.hexdigest())
+
+    write_atomic(path, write)
+    return digest[0]
 
 
 def save_boundaries(path: Path, starts: np.ndarray, indptr: np.ndarray) -> str:
@@ -72,7 +100,8 @@ class SplitWriter:
     """Accepts tokenized documents of one split and writes its shards as they fill."""
 
     def __init__(self, out_dir: Path, split: str, seq_len: int, dtype: str, sep_id: int,
-                 shard_sequences: int, count_vocab: int = 0, boundaries: bool = False):
+                 shard_sequences: int, count_vocab: int = 0, boundaries: bool = False,
+                 curriculum: bool = False):
         self.out_dir, self.split, self.seq_len = out_dir, split, seq_len
         self.dtype, self.sep_id, self.shard_sequences = np.dtype(dtype), sep_id, shard_sequences
         self.tail = np.zeros(0, dtype=self.dtype)  # tokens not yet filling a row
@@ -82,31 +111,47 @@ class SplitWriter:
         self.documents = 0
         self.boundaries = boundaries
         self._after_sep = True  # the stream begins with a document
+        self.curriculum = curriculum
+        self.key_tail = np.zeros(0, dtype=np.float32)  # per-token keys of `tail`
+        self.row_keys: list[np.ndarray] = []  # float32, one per full row so far
         # Token frequencies of the written rows, for the unigram entropy (train only).
         self.counts = np.zeros(count_vocab, dtype=np.int64) if count_vocab else None
 
-    def add(self, documents: Sequence[Sequence[int]]) -> None:
+    def add(self, documents: Sequence[Sequence[int]], doc_keys: Sequence[float] | None = None) -> None:
         if not documents:
             return
         sep = [self.sep_id]
         flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(d, sep) for d in documents),
                            dtype=self.dtype)
-        self._add_stream(flat, len(documents))
+        self._add_stream(flat, len(documents), self._token_keys(doc_keys, [len(d) for d in documents]))
 
-    def add_flat(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+    def add_flat(self, ids: np.ndarray, lengths: np.ndarray, doc_keys: np.ndarray | None = None) -> None:
         """Documents given as one array of ids and each document's length (all > 0)."""
         if len(lengths) == 0:
             return
         ends = np.cumsum(lengths)
         flat = np.insert(ids.astype(self.dtype, copy=False), ends, self.sep_id)
-        self._add_stream(flat, len(lengths))
+        self._add_stream(flat, len(lengths), self._token_keys(doc_keys, lengths))
 
-    def _add_stream(self, flat: np.ndarray, n_documents: int) -> None:
+    def _token_keys(self, doc_keys, lengths) -> np.ndarray | None:
+        if not self.curriculum:
+            return None
+        if doc_keys is None or len(doc_keys) != len(lengths):
+            raise ValueError("a curriculum writer needs one key per document.")
+        return np.repeat(np.asarray(doc_keys, dtype=np.float32), np.asarray(lengths, dtype=np.int64) + 1)
+
+    def _add_stream(self, flat: np.ndarray, n_documents: int, keys: np.ndarray | None = None) -> None:
         self.documents += n_documents
         stream = np.concatenate([self.tail, flat])
         n_rows = len(stream) // self.seq_len
         cut = n_rows * self.seq_len
         self.tail = stream[cut:].copy()
+        if keys is not None:
+            key_stream = np.concatenate([self.key_tail, keys])
+            self.key_tail = key_stream[cut:].copy()
+            if n_rows:
+                means = key_stream[:cut].reshape(n_rows, self.seq_len).mean(axis=1, dtype=np.float64)
+                self.row_keys.append(means.astype(np.float32))
         if n_rows:
             self.rows.append(stream[:cut].reshape(n_rows, self.seq_len))
             self.n_rows_waiting += n_rows
@@ -116,7 +161,9 @@ class SplitWriter:
     def _write(self, n: int) -> None:
         waiting = np.concatenate(self.rows) if len(self.rows) > 1 else self.rows[0]
         shard, rest = waiting[:n], waiting[n:]
-        self.rows = [rest] if len(rest) else []
+        # A copy, not a view: a view would keep the whole concatenated buffer alive
+        # until the next shard, doubling the packing buffer.
+        self.rows = [rest.copy()] if len(rest) else []
         self.n_rows_waiting = len(rest)
         name = shard_name(self.split, len(self.shards))
         shard = np.ascontiguousarray(shard)
@@ -136,8 +183,13 @@ class SplitWriter:
         if self.n_rows_waiting:
             self._write(self.n_rows_waiting)
         sequences = sum(s["sequences"] for s in self.shards)
-        return {"sequences": sequences, "tokens": sequences * self.seq_len,
-                "documents": self.documents, "shards": self.shards}
+        entry = {"sequences": sequences, "tokens": sequences * self.seq_len,
+                 "documents": self.documents, "shards": self.shards}
+        if self.curriculum:
+            keys = np.concatenate(self.row_keys) if self.row_keys else np.zeros(0, dtype=np.float32)
+            name = curriculum_name(self.split)
+            entry["curriculum"] = {"file": name, "sha256": save_shard(self.out_dir / name, keys)}
+        return entry
 
 
 def unigram_entropy(counts: np.ndarray) -> float:

@@ -31,18 +31,18 @@ HISTOGRAM_BINS = 32  # document lengths in tokens, bin k holding [2**k, 2**(k+1)
 class Workers:
     """`work.process` on batches, in `n` spawned processes (none: in this process)."""
 
-    def __init__(self, n: int, tokenizer_json: str, clean: dict, dedup: dict):
+    def __init__(self, n: int, tokenizer_json: str, clean: dict, dedup: dict, curriculum: str | None = None):
         self.n = n
         self.pool = None
         if n == 0:
-            init_worker(tokenizer_json, clean, dedup, single_thread=False)
+            init_worker(tokenizer_json, clean, dedup, single_thread=False, curriculum=curriculum)
         else:
             # spawn, not fork: the parent may hold tokenizer threads, and fork copies their locks.
             # An executor, not a Pool: a worker killed (out of memory, say) fails the run
             # instead of leaving it waiting forever.
             self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=init_worker,
-                                            initargs=(tokenizer_json, clean, dedup, n > 1, True))
+                                            initargs=(tokenizer_json, clean, dedup, n > 1, True, curriculum))
 
     def map(self, items: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, BatchResult]]:
         if self.pool is None:
@@ -102,11 +102,12 @@ def _batches(stream: Iterator[tuple[int, str]], size: int) -> Iterator[tuple[np.
 def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path, n_sources: int, *,
               seq_len: int, dtype: str, sep: int, vocab: int, val_fraction: float, seed: int,
               shard_sequences: int, progress: bool, force_val: bool, dedup: DedupConfig,
-              boundaries: bool, val_mask: Callable) -> PassResult:
+              boundaries: bool, val_mask: Callable, curriculum: str | None = None) -> PassResult:
     """Tokenize, split, dedup and pack `stream`; `force_val` sends the first documents to
     val until it holds `seq_len` tokens (see prepare.py)."""
     writers = {split: SplitWriter(out_dir, split, seq_len, dtype, sep, shard_sequences,
-                                  count_vocab=vocab if split == "train" else 0, boundaries=boundaries)
+                                  count_vocab=vocab if split == "train" else 0, boundaries=boundaries,
+                                  curriculum=curriculum is not None)
                for split in ("train", "val")}
     deduper = Deduplicator(dedup) if (dedup.exact or dedup.near) else None
     out = PassResult(splits={}, entropy=0.0)
@@ -138,8 +139,11 @@ def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path
                     is_val[i] = True  # hashed to val, or forced there while val is short
                     val_tokens += int(result.lengths[i]) + 1
             owner = np.repeat(np.arange(n), result.lengths)
+            # The curriculum key of a document: its mean sentence length in tokens.
+            doc_keys = result.lengths / result.sentences if result.sentences is not None else None
             for split, chosen in (("train", kept & ~is_val), ("val", kept & is_val)):
-                writers[split].add_flat(result.ids[chosen[owner]], result.lengths[chosen])
+                writers[split].add_flat(result.ids[chosen[owner]], result.lengths[chosen],
+                                        None if doc_keys is None else doc_keys[chosen])
             lengths = result.lengths[kept]
             kept_docs += np.bincount(sources[kept], minlength=n_sources)
             kept_tokens += np.bincount(sources[kept], weights=lengths, minlength=n_sources).astype(np.int64)

@@ -39,14 +39,17 @@ from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special
 FORMAT = "ember-shards/1"
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
-_LEFTOVER = re.compile(r"^((train|val)_\d{5,}(\.npy|\.docs\.npz)|tokenizer\.json|manifest\.json)"
+CURRICULA = ("sentence-length",)  # per-row keys `--curriculum` can record
+_LEFTOVER = re.compile(r"^((train|val)_(\d{5,}(\.npy|\.docs\.npz)|curriculum\.npy)|tokenizer\.json|manifest\.json)"
                        + "(" + re.escape(TMP_SUFFIX) + ")?$")
 
 
 def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_size: int, seq_len: int,
                   val_fraction: float, shard_sequences: int, stopping: str = "first_exhausted",
-                  workers: int = 0) -> None:
+                  workers: int = 0, curriculum: str | None = None) -> None:
     """Refuse bad arguments before any compute is spent."""
+    if curriculum is not None and curriculum not in CURRICULA:
+        raise DataError(f"curriculum {curriculum!r} is not known; use {' or '.join(CURRICULA)}.")
     if seq_len < 8:
         raise DataError(f"seq_len {seq_len} is too short; use at least 8.")
     if not 0.0 <= val_fraction < 0.5:
@@ -99,19 +102,20 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             shard_sequences: int = 65536, progress: bool = True, *, text_field: str = "text",
             clean: CleanConfig | dict | None = None, dedup: DedupConfig | dict | None = None,
             workers: int = 0, doc_boundaries: bool = False, stopping: str = "first_exhausted",
-            max_document_bytes: int = MAX_DOCUMENT_BYTES, shard_size: int | str | None = None) -> dict:
+            max_document_bytes: int = MAX_DOCUMENT_BYTES, shard_size: int | str | None = None,
+            curriculum: str | None = None) -> dict:
     """Tokenize `inputs` into packed shards in `out_dir`; return the manifest.
 
     `inputs` are paths, `path:weight` strings or `Source`s (see mixing.py); `clean` and
     `dedup` are their configs or TOML-style tables; `workers` processes tokenize (0: this
     process does); `shard_size` (sequences, or a size such as "64MB") replaces
-    `shard_sequences`."""
+    `shard_sequences`; `curriculum` ("sentence-length") records a per-row ordering key."""
     sources = [parse_source(item) for item in inputs]
     out_dir, tokenizer = Path(out_dir), str(tokenizer)
     clean = clean if isinstance(clean, CleanConfig) else CleanConfig.from_dict(clean)
     dedup = dedup if isinstance(dedup, DedupConfig) else DedupConfig.from_dict(dedup)
     validate_args(sources, out_dir, tokenizer, vocab_size, seq_len, val_fraction, shard_sequences,
-                  stopping, workers)
+                  stopping, workers, curriculum)
     if shard_size is not None:
         shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
 
@@ -139,8 +143,8 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         write_text_atomic(out_dir / TOKENIZER_FILE, tokenizer_text)
         options = dict(seq_len=seq_len, dtype=dtype, sep=specials["sep"], vocab=vocab, val_fraction=val_fraction,
                        seed=seed, shard_sequences=shard_sequences, progress=progress, dedup=dedup,
-                       boundaries=doc_boundaries, val_mask=val_mask)
-        with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict()) as pool:
+                       boundaries=doc_boundaries, val_mask=val_mask, curriculum=curriculum)
+        with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
             result = pack_pass(stream(), pool, out_dir, len(sources), force_val=False, **options)
             if val_fraction > 0 and result.splits["val"]["sequences"] == 0:
                 remove_leftovers(out_dir, keep=TOKENIZER_FILE)
@@ -183,6 +187,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             "document_length_histogram": {"bin_start_tokens": [2**k for k in range(HISTOGRAM_BINS)],
                                           "documents": result.histogram.tolist()},
             "doc_boundaries": doc_boundaries,
+            "curriculum": curriculum,
             "workers": workers,
             "val_fraction": val_fraction,
             "seed": seed,

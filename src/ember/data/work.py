@@ -3,13 +3,14 @@
 It runs in worker processes (or in the main process when there are none) and returns
 only compact arrays, so little crosses the process boundary: one flat array of token ids
 and, per document, its length (0 when dropped), why it was dropped, its characters and
-bytes, and its dedup keys.
+bytes, its dedup keys, and (for a curriculum) its sentence count.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from ember.data.dedup import DedupConfig, Signer, exact_key
 from ember.data.fastbpe import CachedBPE, applies
 
 _STATE: dict = {}
+# A sentence ends at a run of . ! or ? followed by whitespace or the end of the text.
+# Crude next to a real sentence splitter, but it costs one regex pass and needs no
+# language model; a curriculum only needs a consistent ordering, not linguistics.
+_SENTENCE_END = re.compile(r"[.!?]+(?=\s|$)")
 
 
 @dataclass
@@ -33,10 +38,16 @@ class BatchResult:
     keys: list | None = None  # exact-dedup keys
     signatures: np.ndarray | None = None  # (documents, num_perm) MinHash values
     changed: Counter = field(default_factory=Counter)  # documents each transform altered
+    sentences: np.ndarray | None = None  # int64 per document, at least 1 (curriculum only)
+
+
+def count_sentences(text: str) -> int:
+    """Sentences in `text`: its sentence ends, and at least one."""
+    return max(1, sum(1 for _ in _SENTENCE_END.finditer(text)))
 
 
 def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bool,
-                subprocess: bool = False) -> None:
+                subprocess: bool = False, curriculum: str | None = None) -> None:
     if single_thread:
         # Several worker processes already use every core; threads inside each would contend.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -51,6 +62,7 @@ def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bo
     _STATE["signer"] = Signer(_STATE["dedup"]) if _STATE["dedup"].near else None
     _STATE["fast"] = CachedBPE(_STATE["tok"]) if applies(_STATE["tok"]) else None
     _STATE["verified"] = False
+    _STATE["curriculum"] = curriculum
 
 
 def _encode(docs: list[str]) -> list[list[int]]:
@@ -96,6 +108,9 @@ def process(docs: list[str]) -> BatchResult:
     result = BatchResult(flat, lengths, dropped, chars, n_bytes, changed=changed)
     if dedup.exact:
         result.keys = [exact_key(d) if lengths[i] else None for i, d in enumerate(docs)]
+    if _STATE.get("curriculum"):
+        result.sentences = np.fromiter((count_sentences(d) if lengths[i] else 1 for i, d in enumerate(docs)),
+                                       dtype=np.int64, count=len(docs))
     if signer is not None:
         result.signatures = np.zeros((len(docs), dedup.num_perm), dtype=np.uint64)
         for i, d in enumerate(docs):

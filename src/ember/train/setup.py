@@ -41,6 +41,9 @@ def check_data_fits(config: Config, manifest: dict) -> None:
             f"model.max_seq_len ({m.max_seq_len}) is shorter than the data's sequences "
             f"({seq_len}); set model.max_seq_len={seq_len} or prepare with --seq-len {m.max_seq_len}."
         )
+    if config.data.order == "curriculum" and "curriculum" not in manifest["splits"]["train"]:
+        raise ConfigError("data.order = \"curriculum\" needs data prepared with --curriculum sentence-length, "
+                          "which this data was not; prepare it again with that flag or set data.order = \"shuffle\".")
     if m.objective == "mlm" and manifest["special_tokens"].get("mask") is None:
         raise ConfigError("the data's tokenizer has no mask token, so it cannot train a masked LM; "
                           "prepare it with --tokenizer wordpiece or bpe.")
@@ -56,7 +59,7 @@ def check_document_mask(config: Config, manifest: dict) -> None:
 
 # Keys that may change between an interrupted run and its resumption. The layout may:
 # sharded checkpoints are keyed by parameter name, and every layout computes the same step.
-_MAY_CHANGE = {("train", "budget"), ("train", "device"), ("train", "compile"),
+_MAY_CHANGE = {("data", "verify"), ("train", "budget"), ("train", "device"), ("train", "compile"),
                ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every"),
                *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
                                                "vpp", "schedule", "recompute", "recompute_every"))}

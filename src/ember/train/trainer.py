@@ -18,6 +18,7 @@ import torch
 
 from ember.config import Budget, Config, ConfigError, parse_budget, parse_interval, to_toml
 from ember.data import Batches, held_out_seed, load_manifest, make_targets
+from ember.data.manifest import verify_checksums
 from ember.model import Transformer
 from ember.parallel.engine import PhaseTimer, build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
@@ -99,6 +100,8 @@ class Trainer:
         self.amp_dtype = autocast_dtype(config.train.precision, self.device)
         if self.amp_dtype is not None and self.device.type == "cpu":
             raise ConfigError("train.precision=bf16 is for GPUs; use fp32 or auto on a CPU.")
+        if config.data.verify:  # last of the checks: the ranks read every shard once between them
+            verify_checksums(self.data_dir, self.manifest, self.rank, self.world)
         self.show_progress = progress and self.rank == 0
         self.stopped_by: int | None = None  # the signal that stopped the run, if any
 
@@ -125,7 +128,8 @@ class Trainer:
             torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
         docs = cfg.data.document_mask  # then batches are (rows, document ids)
         self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed,
-                                  rank=self.dp_rank, world=self.dp_size, documents=docs)
+                                  rank=self.dp_rank, world=self.dp_size, documents=docs,
+                                  order=cfg.data.order)
         n_val = cfg.train.eval_batches * cfg.train.micro_batch
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs).fixed(n_val)
         self.val_ids, self.val_docs = val if docs else (val, None)
