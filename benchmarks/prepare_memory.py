@@ -4,8 +4,8 @@
         --out benchmarks/results/DATE-prepare-memory-cpu.txt
 
 The corpora are the built-in one (`ember data corpus`) repeated until about `--mb`
-megabytes and `--factor` times that, as JSON lines, every document made distinct by a
-counter prefix (dedup is off anyway). A byte-level BPE (8,192 tokens) is trained once on
+megabytes and `--factor` times that, as JSON lines, every copy after the first made
+distinct by a prefix (dedup is off anyway). A byte-level BPE (8,192 tokens) is trained once on
 the built-in corpus and passed as a file, so both runs do the same work per byte. Each
 preparation uses the command's defaults (one worker per core, shards of 65,536 rows,
 which is smaller than either corpus's output) and runs in its own subprocess, and reports:
@@ -34,26 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prepare_vs_datasets import _tree_rss  # noqa: E402  (a sibling script, not a package)
+from prepare_vs_datasets import _tree_rss, make_corpus  # noqa: E402  (a sibling script, not a package)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def make_corpus(work: Path, copies: int) -> Path:
-    """The built-in corpus `copies` times, each document prefixed with a unique counter."""
-    from ember.data.corpus import write_stdlib_corpus
-
-    base = work / "stdlib.jsonl"
-    if not base.exists():
-        write_stdlib_corpus(base)
-    path = work / f"corpus_x{copies}.jsonl"
-    if not path.exists():
-        texts = [json.loads(line)["text"] for line in base.read_text(encoding="utf-8").splitlines()]
-        with open(path, "w", encoding="utf-8") as handle:
-            for copy in range(copies):
-                for i, text in enumerate(texts):
-                    handle.write(json.dumps({"text": f"[{copy}.{i}] {text}"}) + "\n")
-    return path
 
 
 def side(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
