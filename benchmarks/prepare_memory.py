@@ -124,7 +124,7 @@ def main() -> None:
         "command: PYTHONPATH=src python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:]),
         f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in load_start)}, "
         f"at end {os.getloadavg()[0]:.1f} (a shared machine: MB/s vary with other users' load)",
-        f"corpus: built-in corpus ({base.stat().st_size / 1e6:.1f} MB) repeated, a counter on every document; "
+        f"corpus: built-in corpus ({base.stat().st_size / 1e6:.1f} MB) repeated, every copy after the first prefixed; "
         f"BPE 8192 tokenizer file, seq_len 128, shards of 65,536 rows (16.8 MB), {args.workers} workers, no dedup",
         "tree peak = max over 20 ms samples of the summed RSS of main + workers; "
         "bound = main maxrss + workers x largest worker maxrss (getrusage)",
