@@ -91,3 +91,30 @@ def test_bench_refuses_a_layout_that_cannot_run(dataset):
                           capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().startswith("ember: error:") and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_profiler_that_cannot_start_leaves_training_running(monkeypatch):
+    import torch
+
+    from ember.train import breakdown
+
+    class Refused:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("CUPTI is in use by another profiler")
+
+    monkeypatch.setattr("torch.profiler.profile", Refused)
+    profiler = breakdown.StepProfiler(torch.device("cpu"))
+    profiler.enabled = True
+    ran = []
+    with pytest.warns(UserWarning, match="breakdown is off"):
+        with profiler.step():
+            ran.append(1)
+    with profiler.step():  # later steps are not profiled, and say so with the same keys
+        ran.append(2)
+    assert ran == [1, 2]
+    out = profiler.read()
+    assert sorted(out) == sorted(breakdown.FIELDS) and all(v != v for v in out.values())  # NaN
+    assert profiler.read() == {}

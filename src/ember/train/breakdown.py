@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
@@ -123,19 +124,30 @@ class StepProfiler:
 
         self.device, self.cuda = device, device.type == "cuda"
         self.activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
-        self.enabled = False
+        self.enabled, self.available = False, True
         self._profiles: list = []  # read later, so the reading is not part of a timed step
+        self._attempted = 0
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         if not self.enabled:
             yield
             return
+        self._attempted += 1  # the same count on every rank, so every rank reduces the same keys
+        if not self.available:
+            yield
+            return
         from torch.profiler import profile
 
         prof = profile(activities=self.activities)
-        with _quiet_stderr():
-            prof.__enter__()
+        try:
+            with _quiet_stderr():
+                prof.__enter__()
+        except Exception as err:  # noqa: BLE001 - no profiler (e.g. another one holds CUPTI): train on
+            warnings.warn(f"ember: the step-time breakdown is off, the profiler did not start ({err}).")
+            self.enabled = self.available = False
+            yield
+            return
         try:
             yield
         finally:
@@ -157,11 +169,15 @@ class StepProfiler:
             yield kind, thread, event.start_ns(), event.end_ns()
 
     def read(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
+        """Seconds of each part since the last read: {} when no step was to be profiled,
+        NaN where the profiler could not record them."""
+        totals = dict.fromkeys(FIELDS, 0.0) if self._attempted else {}
         for prof in self._profiles:
             for name, value in split_time(self._events(prof)).items():
-                totals[name] = totals.get(name, 0.0) + value
-        self._profiles = []
+                totals[name] += value
+        if len(self._profiles) < self._attempted:
+            totals = dict.fromkeys(FIELDS, float("nan"))
+        self._profiles, self._attempted = [], 0
         return {name: round(value, 6) for name, value in totals.items()}
 
 
