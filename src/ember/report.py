@@ -85,4 +85,9 @@ def summary_text(run_dir: Path) -> str:
     lines.append(f"tokens/s   {sorted(steady)[len(steady) // 2]:,.0f} (median of logged windows)")
     if mfus:
         lines.append(f"MFU        {100 * sorted(mfus)[len(mfus) // 2]:.1f}% (median)")
+    profiled = [r for r in train[1:] if r.get("compute_s") is not None and r["compute_s"] == r["compute_s"]]
+    if profiled:  # runs under torchrun: where the profiled steps' time went
+        parts = {name: sum(r[f"{name}_s"] for r in profiled) for name in ("compute", "exposed_comm", "bubble")}
+        lines.append(f"compute    {parts['compute']:.2f}s   exposed communication {parts['exposed_comm']:.2f}s   "
+                     f"pipeline bubble {parts['bubble']:.2f}s (over {len(profiled)} profiled steps)")
     return "\n".join(lines)

@@ -40,6 +40,8 @@ def test_torchrun_two_processes_writes_one_run(dataset, tmp_path):
         # Under torchrun logged steps are profiled: ZeRO-2 reduce-scatters gradients.
         assert r["compute_s"] > 0 and r["comm_s"] > 0 and 0 <= r["exposed_comm_s"] <= r["comm_s"]
         assert r["bubble_s"] == 0  # no pipeline, no point-to-point transfers
+    report = subprocess.run(ember_cmd("report", str(out)), capture_output=True, text=True, env=_env(), timeout=120)
+    assert report.returncode == 0 and "exposed communication" in report.stdout and "over 3 profiled steps" in report.stdout
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["peak_memory_gib"] > 0
