@@ -25,16 +25,14 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prepare_vs_datasets import _tree_rss, make_corpus  # noqa: E402  (a sibling script, not a package)
+from prepare_vs_datasets import make_corpus, run_side  # noqa: E402  (a sibling script, not a package)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -55,27 +53,9 @@ def side(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
 
 def measure(corpus: Path, tokenizer: Path, out: Path, workers: int) -> dict:
     """`side` in a subprocess, its tree RSS sampled from here."""
-    argv = [sys.executable, __file__, "--side", str(corpus), "--tokenizer", str(tokenizer),
-            "--data", str(out), "--workers", str(workers)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
-    peak, done = [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    done.set()
-    thread.join()
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"preparing {corpus} failed")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    result.update(tree_peak_mb=peak[0] / 1e6, cpu_s=usage.ru_utime + usage.ru_stime,
-                  input_mb=corpus.stat().st_size / 1e6)
+    result = run_side(["--side", str(corpus), "--tokenizer", str(tokenizer), "--data", str(out),
+                       "--workers", str(workers)], script=__file__)
+    result.update(tree_peak_mb=result.pop("peak_rss_mb"), input_mb=corpus.stat().st_size / 1e6)
     result["mb_per_s"] = result["input_mb"] / result["seconds"]
     result["bound_mb"] = result["self_maxrss_mb"] + workers * result["children_maxrss_mb"]
     return result

@@ -60,10 +60,10 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_side(argv: list[str]) -> dict:
-    """Run this script as a subprocess with `argv`: its JSON result, the peak tree RSS and
-    the CPU seconds of the process and its (reaped) worker processes."""
-    proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True,
+def run_side(argv: list[str], script: str = __file__) -> dict:
+    """Run `script` (this one by default) as a subprocess with `argv`: its JSON result, the
+    peak tree RSS and the CPU seconds of the process and its (reaped) worker processes."""
+    proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
     peak, done = [0], threading.Event()
 
