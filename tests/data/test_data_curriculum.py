@@ -11,9 +11,9 @@ from ember.data import Batches, DataError, load_manifest, prepare
 from ember.data.packing import SplitWriter, save_shard
 from ember.data.prep_config import load_prep_config
 from ember.data.work import count_sentences
+from test_data_loader import _data as _self_naming_rows
 
 WORDS = "model data token layer value return the a of to in is for with that by this list".split()
-SEQ = 5
 
 
 def _document(rng: random.Random, words_per_sentence: int, sentences: int) -> str:
@@ -92,18 +92,12 @@ def test_unknown_curriculum_and_the_toml_key(tmp_path, long_then_short):
 
 
 def _data(tmp_path: Path, keys: list[float], sizes=(4, 7)) -> dict:
-    """Shards whose row i is filled with i, and the curriculum keys of the rows."""
-    shards, start = [], 0
-    for k, n in enumerate(sizes):
-        rows = np.repeat(np.arange(start, start + n, dtype=np.uint16)[:, None], SEQ, axis=1)
-        name = f"train_{k:05d}.npy"
-        shards.append({"file": name, "sequences": n, "sha256": save_shard(tmp_path / name, rows)})
-        start += n
-    assert len(keys) == start
+    """Shards whose row i is filled with i (as in the loader's tests), and the rows' keys."""
+    manifest = _self_naming_rows(tmp_path, sizes)
+    assert len(keys) == manifest["splits"]["train"]["sequences"]
     sha = save_shard(tmp_path / "train_curriculum.npy", np.array(keys, dtype=np.float32))
-    return {"seq_len": SEQ, "splits": {"train": {"sequences": start, "shards": shards,
-                                                 "curriculum": {"file": "train_curriculum.npy", "sha256": sha}},
-                                       "val": {"sequences": 0, "shards": []}}}
+    manifest["splits"]["train"]["curriculum"] = {"file": "train_curriculum.npy", "sha256": sha}
+    return manifest
 
 
 KEYS = [5.0, 1.0, 3.0, 1.0, 9.0, 3.0, 0.5, 7.0, 1.0, 2.0, 3.0]  # ties at 1.0 and 3.0
