@@ -56,9 +56,10 @@ def _env():
                 PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
 
 
-def _bench(dataset, nproc, *sets):
+def _bench(dataset, nproc, *sets, profile=None):
     args = ["bench", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--steps", "2",
-            "--warmup", "1", "--json", *[x for s in TINY + ["train.device=cpu", *sets] for x in ("--set", s)]]
+            "--warmup", "1", "--json", *[x for s in TINY + ["train.device=cpu", *sets] for x in ("--set", s)],
+            *(["--profile", str(profile)] if profile else [])]
     cmd = ember_cmd(*args) if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "ember", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
@@ -70,19 +71,45 @@ def test_bench_of_one_process_sees_no_communication(dataset):
     result = _bench(dataset, 1)
     (rank,) = result["ranks"]
     assert result["world"] == 1 and result["tokens_per_s"] > 0
+    assert result["predicted"] is None  # a CPU and no profile: nothing to predict from
     assert rank["forward_s"] > 0 and rank["backward_s"] > 0 and rank["optimizer_s"] > 0
     assert rank["compute_s"] > 0 and rank["comm_s"] == rank["exposed_comm_s"] == rank["bubble_s"] == 0
     assert rank["compute_s"] + rank["other_s"] == pytest.approx(rank["profiled_step_s"], rel=1e-6)
 
 
-def test_bench_of_a_pipeline_sees_its_bubble(dataset):
-    result = _bench(dataset, 2, "parallel.pp=2", "parallel.schedule=gpipe")
+def _profile(tmp_path):
+    """A CPU profile in the form `ember plan calibrate` writes (numbers of this order)."""
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({
+        "format": "ember-plan-profile/1", "source": "calibrated (test)",
+        "gpu": {"name": "cpu (calibrated)", "peak_bf16_flops": 1e11, "memory_gib": 8, "sms": 2,
+                "hbm_gbps": 20.0, "matmul_eff": 1.0, "hbm_eff": 1.0, "intra_gbps": 0.7, "inter_gbps": 0.7},
+        "links": {"gpus_per_node": 2, "intra_gbps": 0.7, "inter_gbps": 0.7, "intra_eff": 1.0,
+                  "intra_latency_s": 1e-3}}))
+    return path
+
+
+def test_bench_of_a_pipeline_sees_its_bubble(dataset, tmp_path):
+    result = _bench(dataset, 2, "parallel.pp=2", "parallel.schedule=gpipe", profile=_profile(tmp_path))
     assert result["world"] == 2 and len(result["ranks"]) == 2
+    # The planner's prediction for the same layout comes beside the measurement.
+    predicted = result["predicted"]
+    assert predicted["step_s"] > 0 and predicted["memory_gib"] > 0 and predicted["bubble_share"] > 0
     for rank in result["ranks"]:
         # GPipe on two stages: each stage waits for the other for part of every step.
         assert rank["bubble_s"] > 0 and rank["compute_s"] > 0
         assert rank["bubble_s"] + rank["compute_s"] <= rank["profiled_step_s"]
         assert "forward_backward_s" in rank and "forward_s" not in rank
+
+
+def test_bench_refuses_a_profile_that_is_not_one(dataset, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    done = subprocess.run(ember_cmd("bench", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset),
+                                    "--profile", str(bad), *[x for s in TINY for x in ("--set", s)]),
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().startswith("ember: error:") and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_bench_refuses_a_layout_that_cannot_run(dataset):

@@ -57,15 +57,57 @@ def measure(trainer, steps: int, warmup: int) -> dict:
     return out
 
 
-def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: int) -> dict | None:
-    """Measure on every rank; rank 0 gets {layout, world, tokens_per_s, ranks: [...]},
-    the other ranks None."""
+def planner_layout(parallel, micro_batch: int, world: int):
+    """The run's [parallel] section as the planner's Layout."""
+    from ember.plan.layout import Layout
+
+    shard = parallel.dp_shard if parallel.dp_shard > 0 else world // (parallel.pp * parallel.tp * parallel.dp_replicate)
+    return Layout(tp=parallel.tp, pp=parallel.pp, dp_shard=shard, dp_replicate=parallel.dp_replicate,
+                  zero=parallel.zero, sp=parallel.sp, vpp=parallel.vpp, schedule=parallel.schedule,
+                  mbs=micro_batch, recompute=parallel.recompute, recompute_every=parallel.recompute_every)
+
+
+def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> dict | None:
+    """`ember plan`'s prediction for this very run: with a profile (`ember plan calibrate`),
+    or on a GPU the planner's table knows; None otherwise."""
+    import os
+
+    from ember.plan.cluster import make_cluster
+    from ember.plan.hardware import find_gpu
+    from ember.plan.memory import GIB
+    from ember.plan.predict import predict
+    from ember.plan.tune import plan_inputs
+    from ember.train.device import device_name
+
+    gpu = None
+    if profile is None:
+        known = find_gpu(device_name(device)) if device.type == "cuda" else None
+        if known is None:
+            return None
+        gpu = known.name
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = make_cluster(gpu, world, gpus_per_node=per_node, profile=profile)
+    model, shape = plan_inputs(cfg, manifest, "run")
+    p = predict(model, cluster, shape, planner_layout(cfg.parallel, cfg.train.micro_batch, world))
+    comm = sum(p.shares[k] for k in ("tp_comm", "pp_comm", "dp_comm"))
+    return {"source": profile or gpu, "step_s": p.step_time_s, "tokens_per_s": p.tokens_per_s_per_gpu * world,
+            "memory_gib": p.memory.total / GIB, "exposed_comm_share": comm, "bubble_share": p.shares["bubble"]}
+
+
+def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: int,
+              profile: str | None = None) -> dict | None:
+    """Measure on every rank; rank 0 gets {layout, world, tokens_per_s, ranks: [...],
+    predicted}, the other ranks None."""
     from ember.config import load_config
     from ember.train.trainer import Trainer
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {steps} and {warmup}).")
     cfg = load_config(recipe, settings)
+    if profile is not None:
+        from ember.plan.cluster import read_profile
+
+        read_profile(profile)  # a bad profile is refused before anything is measured
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as scratch:
         trainer = Trainer(cfg, data, Path(scratch) / "run", progress=False)
         trainer.build()
@@ -83,7 +125,8 @@ def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: 
     tokens = cfg.train.global_batch * trainer.seq_len
     layout = {k: v for k, v in vars(cfg.parallel).items()}
     return {"recipe": recipe, "layout": layout, "world": trainer.world, "device": str(trainer.device),
-            "steps": steps, "warmup": warmup, "step_s": step, "tokens_per_s": tokens / step, "ranks": ranks}
+            "steps": steps, "warmup": warmup, "step_s": step, "tokens_per_s": tokens / step, "ranks": ranks,
+            "predicted": predicted(cfg, trainer.manifest, trainer.world, trainer.device, profile)}
 
 
 def render(result: dict) -> None:
@@ -119,10 +162,39 @@ def render(result: dict) -> None:
     for key, label in PARTS:
         add(key, label, "profiled_step_s")
     console.print(table)
+    if result.get("predicted"):
+        render_prediction(result, console)
+
+
+def render_prediction(result: dict, console) -> None:
+    """The planner's prediction for this layout beside what was measured."""
+    from rich.table import Table
+
+    p, ranks = result["predicted"], result["ranks"]
+
+    def share(key: str) -> float:
+        return sum(r[key] / r["profiled_step_s"] for r in ranks) / len(ranks)
+
+    table = Table(title=f"ember plan's prediction for this layout ({p['source']})")
+    for column in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(column, justify="left" if not column else "right")
+    rows = [("step time (s)", p["step_s"], result["step_s"]),
+            ("tokens/s", p["tokens_per_s"], result["tokens_per_s"]),
+            ("memory per rank (GiB)", p["memory_gib"], max(r["peak_memory_gib"] for r in ranks)),
+            ("exposed communication (share)", p["exposed_comm_share"], share("exposed_comm_s")),
+            ("pipeline bubble (share)", p["bubble_share"], share("bubble_s"))]
+    for label, want, got in rows:
+        ratio = f"{got / want:.2f}" if want > 0 else "-"
+        table.add_row(label, _number(want), _number(got), ratio)
+    console.print(table)
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
 def _cmd_bench(args) -> int:
-    result = run_bench(args.config, Path(args.data), args.set or [], args.steps, args.warmup)
+    result = run_bench(args.config, Path(args.data), args.set or [], args.steps, args.warmup, args.profile)
     if result is None:
         return 0
     if args.json:
@@ -139,5 +211,7 @@ def register_bench(verbs) -> None:
     bench.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override one config value")
     bench.add_argument("--steps", type=int, default=10, help="steps measured, plainly and profiled (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="steps run first and not measured (default 3)")
+    bench.add_argument("--profile", help="a machine profile from `ember plan calibrate`: also print the planner's "
+                       "prediction for this layout (on a GPU the planner knows, it is printed without one)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.set_defaults(func=_cmd_bench)
