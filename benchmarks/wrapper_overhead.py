@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import socket
 import subprocess
 import sys
@@ -138,11 +137,10 @@ def run_variant(args: argparse.Namespace) -> dict:
             synchronize(trainer.device)
             rounds.append((time.perf_counter() - start) / per_round)
         loss = float(loss)
+    peak = trainer.peak_memory_gib() * 1024  # the trainer's own figure: what summary.json reports
     if trainer.device.type == "cuda":
-        memory = {"peak_memory_mib": torch.cuda.max_memory_allocated(trainer.device) / 2**20,
-                  "memory_kind": "torch.cuda.max_memory_allocated"}
+        memory = {"peak_memory_mib": peak, "memory_kind": "torch.cuda.max_memory_allocated"}
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
         memory = {"peak_memory_mib": peak, "memory_kind": "peak RSS of the process",
                   "rss_growth_in_steps_mib": max(0.0, peak - rss_before)}
     tokens = rows * trainer.seq_len

@@ -59,9 +59,10 @@ def measure(trainer, steps: int, warmup: int) -> dict:
 
 def planner_layout(parallel, micro_batch: int, world: int):
     """The run's [parallel] section as the planner's Layout."""
+    from ember.parallel.mesh import resolve_sizes
     from ember.plan.layout import Layout
 
-    shard = parallel.dp_shard if parallel.dp_shard > 0 else world // (parallel.pp * parallel.tp * parallel.dp_replicate)
+    shard = resolve_sizes(parallel, world)["dp_shard"]
     return Layout(tp=parallel.tp, pp=parallel.pp, dp_shard=shard, dp_replicate=parallel.dp_replicate,
                   zero=parallel.zero, sp=parallel.sp, vpp=parallel.vpp, schedule=parallel.schedule,
                   mbs=micro_batch, recompute=parallel.recompute, recompute_every=parallel.recompute_every)
