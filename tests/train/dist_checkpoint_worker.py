@@ -281,6 +281,9 @@ def main() -> None:
         merged = {label: "\n".join(f"rank {r}: {res[label]}" for r, res in enumerate(every) if res[label] != "ok")
                   or "ok" for label in results}
         (work / f"results_{launch}.json").write_text(json.dumps(merged, indent=1))
+    # gather_object returns on a sender before rank 0 has received: tearing the group down
+    # then can abort the send ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -119,6 +119,7 @@ def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: 
 
         ranks = [None] * trainer.world
         dist.all_gather_object(ranks, mine)
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
     if trainer.rank != 0:
         return None
