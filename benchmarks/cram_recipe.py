@@ -26,7 +26,7 @@ import torch
 from ember.config import load_config
 from ember.data.corpus import write_stdlib_corpus
 from ember.data.prepare import prepare
-from ember.train.device import device_name, pick_device
+from ember.device import device_name, pick_device
 from ember.train.trainer import Trainer
 from vs_transformers import HFLossAdapter, hf_model
 

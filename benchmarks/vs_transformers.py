@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ember.config import load_config
 from ember.data.corpus import write_stdlib_corpus
 from ember.data.prepare import prepare
-from ember.train.device import device_name, pick_device
+from ember.device import device_name, pick_device
 from ember.train.schedule import lr_factor
 from ember.train.trainer import Trainer
 

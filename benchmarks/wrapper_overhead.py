@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from ember.config import load_config  # noqa: E402
-from ember.train.device import device_name, pick_device, synchronize  # noqa: E402
+from ember.device import device_name, pick_device, synchronize  # noqa: E402
 
 # name -> (extra --set values, data-parallel wrapper: None, or the ZeRO stage)
 VARIANTS: dict[str, tuple[list[str], int | None]] = {

@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ember.eval.command import register_eval
     from ember.export.command import register_export
     from ember.plan.command import register_plan
-    from ember.plan.tune_command import register_tune
-    from ember.train.bench import register_bench
+    from ember.tune.command import register_tune
+    from ember.tune.bench import register_bench
     register_bench(verbs)
     register_eval(verbs)
     register_export(verbs)

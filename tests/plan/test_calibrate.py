@@ -14,7 +14,7 @@ from ember.cli import main
 from ember.plan import comm
 from ember.plan.calibrate import BUS_FACTOR, attention_efficiency, build_profile
 from ember.plan.cluster import make_cluster
-from ember.plan.hardware import gpu_by_name
+from ember.hardware import gpu_by_name
 from ember.plan.timing import flash_efficiency
 
 

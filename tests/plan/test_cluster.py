@@ -6,7 +6,7 @@ import pytest
 
 from ember.config import ConfigError
 from ember.plan.cluster import make_cluster, read_profile
-from ember.plan.hardware import GPUS, gpu_by_name
+from ember.hardware import GPUS, gpu_by_name
 
 
 @pytest.mark.parametrize("typed,name", [

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ember.config import ModelConfig
 from ember.model import Transformer
-from ember.plan.cost import forward_flops_per_token, matmul_params, model_flops_per_token
+from ember.cost import forward_flops_per_token, matmul_params, model_flops_per_token
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -4,7 +4,7 @@ recomputation FLOPs. ModelConfig (no kv_heads) keeps its numbers; test_cost.py c
 import pytest
 
 from ember.config import ModelConfig
-from ember.plan.cost import layer_matmuls, matmul_params, model_flops_per_token, recompute_flops_per_token
+from ember.cost import layer_matmuls, matmul_params, model_flops_per_token, recompute_flops_per_token
 from ember.plan.models import PRESETS, from_config
 
 

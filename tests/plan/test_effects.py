@@ -6,7 +6,7 @@ import pytest
 from ember.plan import comm
 from ember.plan.cluster import make_cluster
 from ember.plan.comm import Links
-from ember.plan.hardware import gpu_by_name
+from ember.hardware import gpu_by_name
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.memory import stage_params

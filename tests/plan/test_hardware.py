@@ -2,7 +2,7 @@
 
 import pytest
 
-from ember.plan.hardware import GPUS, find_gpu, peak_flops
+from ember.hardware import GPUS, find_gpu, peak_flops
 
 
 @pytest.mark.parametrize("name,peak,memory", [

@@ -64,7 +64,7 @@ def test_preset_parameter_counts_match_the_papers(name, billions):
 
 def test_full_recompute_and_sharding_lower_memory():
     from ember.plan.memory import memory
-    from ember.plan.hardware import gpu_by_name
+    from ember.hardware import gpu_by_name
 
     model, shape, gpu = PRESETS["llama2-7b"], TrainShape(4096, 64), gpu_by_name("A100-80GB")
     none = memory(model, Layout(dp_shard=8, zero=1, mbs=2), shape, gpu)

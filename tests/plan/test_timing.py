@@ -4,7 +4,7 @@ planner must get right (slower links, recomputation)."""
 import pytest
 
 from ember.plan.cluster import make_cluster
-from ember.plan.hardware import gpu_by_name
+from ember.hardware import gpu_by_name
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.predict import pipeline_s, predict

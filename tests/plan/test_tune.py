@@ -11,7 +11,7 @@ from ember.cli import main
 from ember.config import ConfigError, load_config
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.search import search
-from ember.plan.tune import (best_recipe, failure_reason, local_cluster, measured_throughput, parallel_trainer,
+from ember.tune.trials import (best_recipe, failure_reason, local_cluster, measured_throughput, parallel_trainer,
                              plan_inputs, read_trial, run_process, select, trial_command, trial_settings)
 
 SHAPE = TrainShape(64, 8)

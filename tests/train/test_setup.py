@@ -6,7 +6,7 @@ import torch
 from conftest import REPO, TINY
 from ember.config import ConfigError, load_config, to_toml
 from ember.model import Transformer
-from ember.train.device import autocast_dtype, pick_device
+from ember.device import autocast_dtype, pick_device
 from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data
 from ember.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from ember.data.atomic import write_atomic
+from ember.atomic import write_atomic
 
 # Test suites hold thousands of throwaway docstrings; the IDLE tests live apart.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

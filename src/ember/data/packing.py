@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.data.atomic import write_atomic
+from ember.atomic import write_atomic
 
 
 def token_dtype(vocab_size: int) -> str:

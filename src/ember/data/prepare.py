@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.data.atomic import TMP_SUFFIX, write_text_atomic
+from ember.atomic import TMP_SUFFIX, write_text_atomic
 from ember.data.clean import CleanConfig, transform
 from ember.data.dedup import DedupConfig
 from ember.data.errors import DataError

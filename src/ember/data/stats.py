@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.data.atomic import write_atomic
+from ember.atomic import write_atomic
 from ember.data.manifest import load_manifest
 from ember.data.tokenizer import load_tokenizer
 

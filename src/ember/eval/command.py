@@ -21,7 +21,7 @@ def _cmd_glue(args) -> int:
 
 
 def _cmd_lm(args) -> int:
-    from ember.data.atomic import write_text_atomic
+    from ember.atomic import write_text_atomic
     from ember.eval.lm import evaluate_lm
 
     result = evaluate_lm(args.checkpoint, args.data, batches=args.batches, batch_size=args.batch_size,

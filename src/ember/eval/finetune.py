@@ -21,7 +21,7 @@ from torch import nn
 
 from ember.eval.encode import equal_length_batches, pad, steps_per_epoch, train_batches
 from ember.model import Transformer
-from ember.train.device import autocast
+from ember.device import autocast
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ember.config import ConfigError
-from ember.data.atomic import write_text_atomic
+from ember.atomic import write_text_atomic
 from ember.eval.encode import encode_split
 from ember.eval.finetune import Classifier, Protocol, finetune, predict, total_steps
 from ember.eval.glue_tasks import COLUMNS, TaskData, load_task, parse_tasks
 from ember.eval.metrics import compute
 from ember.eval.run import Run, open_run
-from ember.train.device import autocast_dtype, device_name, pick_device
+from ember.device import autocast_dtype, device_name, pick_device
 
 CONVENTION = ("each metric is the median over seeds; a column's score is the mean of its metrics "
               "(MRPC, QQP: F1 and accuracy; STS-B: Pearson and Spearman); MNLI-m and MNLI-mm are "

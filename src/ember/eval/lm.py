@@ -19,7 +19,7 @@ from ember.config import ConfigError
 from ember.data import Batches, DataError, held_out_seed, load_manifest, make_targets
 from ember.data.manifest import has_document_boundaries
 from ember.eval.run import open_run
-from ember.train.device import autocast, autocast_dtype, device_name, pick_device
+from ember.device import autocast, autocast_dtype, device_name, pick_device
 
 IGNORE = -100
 

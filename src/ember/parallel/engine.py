@@ -9,8 +9,6 @@ trainer's step, schedule, clipping and logging are the same code for one process
 from __future__ import annotations
 
 import contextlib
-import time
-from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -22,45 +20,9 @@ from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.mesh import Topology
 from ember.parallel.recompute import apply_compile, apply_recompute
 from ember.parallel.validate import optional_module
-from ember.train.device import autocast
+from ember.device import NO_TIMER, PhaseTimer, autocast
 
 
-class PhaseTimer:
-    """Seconds spent in the phases of the steps it is enabled for: CUDA events on a GPU
-    (read once the step is synchronised, so timing adds no wait), the host clock elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.enabled = False
-        self._events: list[tuple[str, object, object]] = []
-        self._seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if not self.enabled:
-            yield
-            return
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((name, start, end))
-        else:
-            begin = time.perf_counter()
-            yield
-            self._seconds[name] += time.perf_counter() - begin
-
-    def read(self) -> dict[str, float]:
-        """{phase}_s of the timed steps since the last read; call after synchronising."""
-        for name, start, end in self._events:
-            self._seconds[name] += start.elapsed_time(end) / 1000
-        out = {f"{name}_s": round(value, 6) for name, value in self._seconds.items()}
-        self._events, self._seconds = [], defaultdict(float)
-        return out
-
-
-NO_TIMER = PhaseTimer(torch.device("cpu"))  # never enabled
 
 
 class Engine:

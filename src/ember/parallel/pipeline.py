@@ -24,7 +24,7 @@ from torch.distributed import pipelining
 
 from ember.config import ConfigError, ModelConfig
 from ember.parallel.stages import StageModule, split_model, stage_ranks
-from ember.train.device import autocast_forward
+from ember.device import autocast_forward
 
 try:  # DTensor grads come from FSDP2 / tensor parallel wrapping of a stage.
     from torch.distributed.tensor import DTensor

@@ -1,13 +1,7 @@
-"""The cost model and the planner (`ember plan`): one source of truth for the trainer's MFU
-and the planner's predictions.
+"""The planner (`ember plan`): predict memory and step time of every parallel layout.
 
-cost.py (FLOPs), hardware.py (GPU table), models.py (model shapes and presets),
-cluster.py (cluster and profile files), layout.py (layouts, legality, search space),
-memory.py, comm.py and timing.py (bytes, links and seconds), predict.py (one layout),
-search.py (all layouts), report.py and command.py (what the user sees)."""
-
-from ember.plan.cost import forward_flops_per_token, matmul_params, model_flops_per_token
-from ember.plan.hardware import GPU, GPUS, find_gpu, peak_flops
-
-__all__ = ["GPU", "GPUS", "find_gpu", "forward_flops_per_token", "matmul_params",
-           "model_flops_per_token", "peak_flops"]
+models.py (model shapes and presets), cluster.py (cluster and profile files), layout.py
+(layouts and the search space), memory.py, comm.py and timing.py (bytes, links and
+seconds), predict.py (one layout), search.py (all layouts), report.py and command.py (what
+the user sees), calibrate.py (measure this machine into a profile). FLOPs come from
+`ember.cost` and the GPU table from `ember.hardware`, which the trainer's MFU uses too."""

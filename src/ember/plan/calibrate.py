@@ -197,7 +197,7 @@ def machine_memory_gib() -> float:
 
 def describe_device(device: torch.device, local_world: int) -> tuple[object, dict]:
     """(the GPU table's row or None, and name / memory_gib / sms of what was measured)."""
-    from ember.plan.hardware import find_gpu
+    from ember.hardware import find_gpu
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -213,7 +213,7 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
                   collectives: dict, world: int, local_world: int, attention: dict | None = None) -> dict:
     """The profile file's content from the measurements (see the module docstring). `known`
     is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
-    from ember.plan.hardware import GPU
+    from ember.hardware import GPU
 
     best = max(matmuls, key=lambda row: row["tflops"])
     if known is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ember.config import ConfigError
 from ember.plan.comm import Links
-from ember.plan.hardware import GPU, GPUS, gpu_by_name
+from ember.hardware import GPU, GPUS, gpu_by_name
 
 PROFILE_FORMAT = "ember-plan-profile/1"
 

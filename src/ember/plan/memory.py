@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ember.plan.cost import gated, kv_hidden, matmul_params
+from ember.cost import gated, kv_hidden, matmul_params
 from ember.plan.layout import Layout, TrainShape
 
 GIB = 2**30

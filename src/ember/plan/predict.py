@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ember.plan import comm
 from ember.plan.cluster import Cluster
-from ember.plan.cost import model_flops_per_token, recompute_flops_per_token
+from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.plan.layout import Layout, TrainShape
 from ember.plan.memory import BUCKET_BYTES, GIB, Memory, memory, stage_params
 from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s

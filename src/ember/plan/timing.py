@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ember.plan import comm
-from ember.plan.cost import gated, kv_hidden, layer_matmuls
+from ember.cost import gated, kv_hidden, layer_matmuls
 
 TILE_M, TILE_N = 256, 128
 SIMT_RATIO = 16  # bf16 tensor-core peak over fp32 CUDA-core FMA peak: A100 312/19.5, H100 989/67

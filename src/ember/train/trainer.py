@@ -20,14 +20,14 @@ from ember.config import Budget, Config, ConfigError, parse_budget, parse_interv
 from ember.data import Batches, held_out_seed, load_manifest, make_targets
 from ember.data.manifest import verify_checksums
 from ember.model import Transformer
-from ember.parallel.engine import PhaseTimer, build_engine
+from ember.parallel.engine import build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
 from ember.parallel.validate import check_layout, check_world
-from ember.plan.cost import model_flops_per_token
+from ember.cost import model_flops_per_token
 from ember.train.breakdown import StepProfiler, reduce_over_ranks
 from ember.train import checkpoint as ckpt
 from ember.train import saving
-from ember.train.device import autocast_dtype, device_name, device_peak_flops, pick_device, synchronize
+from ember.device import PhaseTimer, autocast_dtype, device_name, device_peak_flops, pick_device, synchronize
 from ember.train.metrics import MetricsLog, ProgressBar
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import time
+from collections import defaultdict
 
 import torch
 
 from ember.config import ConfigError
-from ember.plan.hardware import peak_flops
+from ember.hardware import peak_flops
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -68,3 +70,41 @@ def device_peak_flops(device: torch.device) -> float | None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class PhaseTimer:
+    """Seconds spent in the phases of the steps it is enabled for: CUDA events on a GPU
+    (read once the step is synchronised, so timing adds no wait), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.enabled = False
+        self._events: list[tuple[str, object, object]] = []
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - begin
+
+    def read(self) -> dict[str, float]:
+        """{phase}_s of the timed steps since the last read; call after synchronising."""
+        for name, start, end in self._events:
+            self._seconds[name] += start.elapsed_time(end) / 1000
+        out = {f"{name}_s": round(value, 6) for name, value in self._seconds.items()}
+        self._events, self._seconds = [], defaultdict(float)
+        return out
+
+
+NO_TIMER = PhaseTimer(torch.device("cpu"))  # never enabled

@@ -27,7 +27,7 @@ PARTS = [("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
 
 def measure(trainer, steps: int, warmup: int) -> dict:
     """This rank's seconds per step: the plain step, its phases, and the profiled parts."""
-    from ember.train.device import synchronize
+    from ember.device import synchronize
 
     n, lr = trainer.cfg.train.global_batch, trainer.cfg.optim.lr
     for _ in range(warmup):
@@ -74,11 +74,11 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
     import os
 
     from ember.plan.cluster import make_cluster
-    from ember.plan.hardware import find_gpu
+    from ember.hardware import find_gpu
     from ember.plan.memory import GIB
     from ember.plan.predict import predict
-    from ember.plan.tune import plan_inputs
-    from ember.train.device import device_name
+    from ember.tune.trials import plan_inputs
+    from ember.device import device_name
 
     gpu = None
     if profile is None:

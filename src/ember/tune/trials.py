@@ -66,7 +66,7 @@ def local_cluster(nproc: int, profile: str | Path | None) -> Cluster:
         return make_cluster(None, nproc, gpus_per_node=nproc, profile=profile)
     import torch
 
-    from ember.plan.hardware import find_gpu
+    from ember.hardware import find_gpu
 
     if not torch.cuda.is_available():
         raise ConfigError("this machine has no GPU the planner knows; measure it with "

@@ -51,7 +51,7 @@ def plan_trials(args):
     from ember.config import load_config
     from ember.data import load_manifest
     from ember.plan.search import search
-    from ember.plan.tune import Trial, local_cluster, parallel_trainer, plan_inputs, select, trial_command, \
+    from ember.tune.trials import Trial, local_cluster, parallel_trainer, plan_inputs, select, trial_command, \
         trial_settings
 
     _check_args(args)
@@ -84,7 +84,7 @@ def run_tune(args) -> int:
     import torch
 
     from ember.plan.report import print_text
-    from ember.plan.tune import best_recipe, run_trial, write_atomic
+    from ember.tune.trials import best_recipe, run_trial, write_atomic
 
     config, cluster, model, shape, result, trials, passed = plan_trials(args)
     out = Path(args.out)
