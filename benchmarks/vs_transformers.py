@@ -130,7 +130,7 @@ def train_pair(family, data_dir, run_dir, overrides, seconds, models: dict) -> d
                      "steps": steps[name], "tokens": steps[name] * tokens_per_step,
                      "params": sum(p.numel() for p in trainer.model.parameters())}  # tied weights once
         rate = out[name]["tokens_per_s"]
-        flops = trainer._flops_per_token(cfg.data.mlm_rate if cfg.model.objective == "mlm" else 1.0)
+        flops = trainer.flops_per_token(cfg.data.mlm_rate if cfg.model.objective == "mlm" else 1.0)
         out[name]["mfu"] = rate * flops / trainer.peak if (trainer.peak and rate) else None
     return out
 

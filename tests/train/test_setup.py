@@ -7,7 +7,7 @@ from conftest import REPO, TINY
 from ember.config import ConfigError, load_config, to_toml
 from ember.model import Transformer
 from ember.device import autocast_dtype, pick_device
-from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data
+from ember.train.setup import build_optimizer, check_data_fits, check_resume_config, check_resume_data, resolve
 from ember.train.trainer import Trainer
 
 
@@ -25,7 +25,10 @@ def test_vocabulary_resolved_from_data():
     cfg = load_config(None, [])
     manifest = {"vocab_size": 1000, "seq_len": 64, "special_tokens": {"mask": 4}}
     check_data_fits(cfg, manifest)
-    assert cfg.model.vocab_size == 1000 and cfg.model.padded_vocab == 1024
+    resolved = resolve(cfg, manifest, budget="5steps")
+    assert resolved.model.vocab_size == 1000 and resolved.model.padded_vocab == 1024
+    assert resolved.train.budget == "5steps"
+    assert cfg.model.vocab_size == 0 and cfg.train.budget != "5steps"  # the caller's config is left alone
     no_mask = load_config(None, ["model.objective=mlm"])
     with pytest.raises(ConfigError, match="no mask token"):
         check_data_fits(no_mask, {**manifest, "special_tokens": {"mask": None}})

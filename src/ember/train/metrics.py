@@ -41,6 +41,16 @@ class MetricsLog:
         self._file.close()
 
 
+class NoLog:
+    """The metrics log of ranks other than 0."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -1,8 +1,10 @@
-"""Checks and parts the trainer needs before its first step: the optimizer, and the
-agreement of config, data and an existing run, refused in one sentence when they clash."""
+"""What the trainer settles before it builds anything: the resolved configuration, the
+agreement of config, data and an existing run (refused in one sentence when they clash),
+and the optimizer."""
 
 from __future__ import annotations
 
+import copy
 import json
 import tomllib
 from pathlib import Path
@@ -25,13 +27,23 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.devi
                              fused=device.type == "cuda")
 
 
+def resolve(config: Config, manifest: dict, budget: str | None = None) -> Config:
+    """The run's configuration with what the data and the command line decide filled in:
+    `model.vocab_size = 0` becomes the data's vocabulary, `--budget` replaces
+    `train.budget`. A new Config: the caller's is left as it was."""
+    cfg = copy.deepcopy(config)
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = int(manifest["vocab_size"])
+    if budget is not None:
+        cfg.train.budget = budget
+    return cfg
+
+
 def check_data_fits(config: Config, manifest: dict) -> None:
-    """Resolve `model.vocab_size = 0` from the data and refuse a model the shards outgrow."""
+    """Refuse a model the prepared data outgrows, or settings the data cannot serve."""
     m = config.model
     data_vocab, seq_len = int(manifest["vocab_size"]), int(manifest["seq_len"])
-    if m.vocab_size == 0:
-        m.vocab_size = data_vocab
-    elif m.vocab_size < data_vocab:
+    if 0 < m.vocab_size < data_vocab:
         raise ConfigError(
             f"model.vocab_size ({m.vocab_size}) is smaller than the data's vocabulary "
             f"({data_vocab}); set model.vocab_size={data_vocab} or 0 to take it from the data."
@@ -90,3 +102,19 @@ def check_resume_data(manifest: dict, saved_path: Path) -> None:
     if saved and saved != manifest.get("tokenizer_sha256"):
         raise ConfigError("--data was prepared with another tokenizer than the run being resumed; "
                           "resume with the run's own data or start a new run in another --out.")
+
+
+def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run). A run directory that already
+    holds a run is never restarted without --resume, and a resumed run must be the same run."""
+    from ember.train.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir)
+    if not resume:
+        if newest is not None or (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out.")
+        return None
+    if newest is not None:
+        check_resume_config(config, run_dir / "config.toml")
+        check_resume_data(manifest, run_dir / "data.json")
+    return newest
