@@ -40,7 +40,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ember.plan.cluster import Stack, make_cluster
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS, ModelSpec
 from ember.plan.search import rank, search
 
@@ -74,7 +75,7 @@ def row_setup(row: dict) -> dict:
     model = replace(PRESETS["llama3-8b"], dropout=True)
     assert (model.layers, model.hidden, model.heads, model.vocab_size) == (layers, hidden, heads, vocab)
     cluster = make_cluster(_gpu(row["gpu"]), gpus, 8, stack=MEGATRON_CORE)
-    layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=1, sp=tp > 1, mbs=_int(row["micro_bs"]),
+    layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=1, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
                     recompute=row["recompute"].strip("?"))
     return dict(model=model, cluster=cluster, shape=shape, fixed=None, layout=layout, hardware=False)
 

@@ -1,9 +1,14 @@
-"""Write files so that a reader never sees a half-written one."""
+"""Write files and folders so that a reader never sees a half-written one: everything is
+written under a temporary name in the same folder, flushed to disk, and renamed into place
+(a rename within one filesystem is atomic), so a crash at any moment leaves either the old
+version or the new one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -11,23 +16,60 @@ TMP_SUFFIX = ".tmp"
 
 
 def temp_name(path: Path) -> Path:
-    # Same folder, so os.replace is a rename on one filesystem and therefore atomic.
     return path.with_name(path.name + TMP_SUFFIX)
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call `write` on a temporary file next to `path`, then rename it into place."""
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path for a writer that opens files by name (safetensors, torch.save,
+    savefig); on success it is flushed and renamed to `path`, on failure removed."""
+    path = Path(path)
     tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        yield tmp
+        _fsync_file(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write` on a temporary file next to `path`, then rename it into place."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        write(handle)
+
+
+def write_text(path: Path, text: str) -> None:
     write_atomic(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Flush every file of the finished folder `tmp` and rename it to `final`, replacing an
+    older folder of that name (the same step saved twice)."""
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            _fsync_file(Path(folder) / name)
+        fsync_dir(Path(folder))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)

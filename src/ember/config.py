@@ -140,8 +140,6 @@ _CHOICES = {
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"),
-    "parallel.recompute": ("none", "selective", "full"),
 }
 
 
@@ -258,8 +256,9 @@ def validate(config: Config) -> None:
 
 
 def validate_parallel(p: ParallelConfig) -> None:
-    """The [parallel] values on their own; how they fit the world size and the model is
-    checked by `ember.parallel.validate` once the world size is known."""
+    """The range of each [parallel] value on its own; how they fit each other, the model,
+    the batch and the world size is `ember.layout.problems`, asked once the world size is
+    known."""
     for name in ("dp_replicate", "tp", "pp", "vpp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name} must be at least 1.")
@@ -270,14 +269,6 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError("parallel.dp_shard must be at least 1, or -1 for the rest of the world size.")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, not {p.zero}.")
-    if p.sp and p.tp == 1:
-        raise ConfigError("parallel.sp (sequence parallel) splits the work of tensor parallelism, "
-                          "so it needs parallel.tp > 1.")
-    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b"):
-        raise ConfigError(f"parallel.vpp={p.vpp} (virtual stages) needs parallel.schedule=interleaved "
-                          f"(or a zero-bubble schedule), not {p.schedule!r}.")
-    if p.vpp > 1 and p.pp == 1:
-        raise ConfigError("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1.")
 
 
 @dataclass(frozen=True)

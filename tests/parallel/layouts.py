@@ -1,6 +1,5 @@
 """The layouts checked against one process. Each is a name, the `--set` values that make it,
-and the ember.parallel modules it needs (left out, with their launch, where this build
-lacks them). Add a layout by adding a line."""
+Add a layout by adding a line."""
 
 # Run in one launch of 2 processes.
 TWO_RANKS = [
@@ -10,23 +9,22 @@ TWO_RANKS = [
     {"name": "zero3x2", "set": {"parallel.zero": 3}},
     {"name": "zero3x2+full-recompute", "set": {"parallel.zero": 3, "parallel.recompute": "full"}},
     {"name": "zero2x2+selective-recompute", "set": {"parallel.zero": 2, "parallel.recompute": "selective"}},
-    {"name": "tp2", "set": {"parallel.tp": 2}, "needs": ["tensor"]},
-    {"name": "tp2+sp", "set": {"parallel.tp": 2, "parallel.sp": True}, "needs": ["tensor"]},
-    {"name": "pp2-gpipe", "set": {"parallel.pp": 2, "parallel.schedule": "gpipe"}, "needs": ["pipeline"]},
-    {"name": "pp2-1f1b", "set": {"parallel.pp": 2, "parallel.schedule": "1f1b"}, "needs": ["pipeline"]},
-    {"name": "pp2-interleaved", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"},
-     "needs": ["pipeline"]},
+    {"name": "tp2", "set": {"parallel.tp": 2}},
+    {"name": "tp2+sp", "set": {"parallel.tp": 2, "parallel.sp": True}},
+    {"name": "pp2-gpipe", "set": {"parallel.pp": 2, "parallel.schedule": "gpipe"}},
+    {"name": "pp2-1f1b", "set": {"parallel.pp": 2, "parallel.schedule": "1f1b"}},
+    {"name": "pp2-interleaved", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"}},
 ]
 
 # Run in one launch of 4 processes.
 FOUR_RANKS = [
     {"name": "hybrid2x2-zero3", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3}},
     {"name": "hybrid2x2-zero1", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1}},
-    {"name": "dp2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 1}, "needs": ["tensor"]},
-    {"name": "pp2xtp2", "set": {"parallel.pp": 2, "parallel.tp": 2}, "needs": ["pipeline", "tensor"]},
-    {"name": "pp2xtp2+sp", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}, "needs": ["pipeline", "tensor"]},
-    {"name": "pp2xdp2-zero1", "set": {"parallel.pp": 2, "parallel.zero": 1}, "needs": ["pipeline"]},
-    {"name": "pp2xzero3x2", "set": {"parallel.pp": 2, "parallel.zero": 3}, "needs": ["pipeline"]},
+    {"name": "dp2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 1}},
+    {"name": "pp2xtp2", "set": {"parallel.pp": 2, "parallel.tp": 2}},
+    {"name": "pp2xtp2+sp", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}},
+    {"name": "pp2xdp2-zero1", "set": {"parallel.pp": 2, "parallel.zero": 1}},
+    {"name": "pp2xzero3x2", "set": {"parallel.pp": 2, "parallel.zero": 3}},
 ]
 
 OBJECTIVES = ("causal", "mlm")

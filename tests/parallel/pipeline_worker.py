@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ember.config import ModelConfig
 from ember.model import Transformer
-from ember.parallel.pipeline import available_schedules, build_pipeline_engine
+from ember.layout import available_schedules
+from ember.parallel.pipeline import PipelineEngine
 
 ROWS_PER_STEP = [8, 4, 8]  # sequences per step: the 4 exercises a second micro-batch count
 MICRO_BATCH, SEQ, VOCAB, LR, CLIP, TOL = 2, 16, 61, 1e-2, 0.5, 1e-5
@@ -70,7 +71,7 @@ def run_case(case: dict, mesh, errors: list[str]) -> None:
     model = copy.deepcopy(ref)
     ref_opt = adamw(ref)
     parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"])
-    engine = build_pipeline_engine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
+    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
                                    wrap=lambda m: m, make_optimizer=adamw)
     for step, rows in enumerate(ROWS_PER_STEP):
         inputs, labels = batch(case["objective"], rows, seed=100 * step + 7)
@@ -149,7 +150,7 @@ def run_dp_case(case: dict, mesh, errors: list[str]) -> None:
         return stage
 
     parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"])
-    engine = build_pipeline_engine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
+    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
                                    wrap=wrap, make_optimizer=adamw)
     for step, rows in enumerate(DP_ROWS_PER_STEP):
         inputs, labels = batch(case["objective"], rows, seed=100 * step + 7)
@@ -229,7 +230,7 @@ def run_precision_case(amp_dtype, mesh, errors: list[str]) -> None:
     ref = Transformer(model_config("causal", tied=False))
     model = copy.deepcopy(ref)
     parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=1, schedule="1f1b")
-    engine = build_pipeline_engine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
+    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
                                    wrap=lambda m: m, make_optimizer=adamw, amp_dtype=amp_dtype)
     seen: set[torch.dtype] = set()
     for part in engine.parts:

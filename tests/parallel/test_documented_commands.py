@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO
 from ember.config import ConfigError, load_config
-from ember.parallel.validate import check_layout
+from ember.layout import check_run
 
 # Recipe arguments that stand for "your recipe" in the prose.
 PLACEHOLDERS = {"CFG", "CONFIG", "...", "DIR/best.toml"}
@@ -132,7 +132,7 @@ def check_command(command: Command) -> None:
     cfg = load_config(REPO / command.recipe, command.sets)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = 8192
-    check_layout(cfg, command.world)
+    check_run(cfg, command.world)
 
 
 ALL = [c for path in _sources() for c in documented_commands(path)]

@@ -11,9 +11,7 @@ import pytest
 
 from conftest import REPO, TINY, ember_cmd
 from ember.train.checkpoint import list_checkpoints
-from ember.train.saving import sharded_available
 
-pytestmark = pytest.mark.skipif(not sharded_available(), reason="this build has no sharded checkpoints")
 
 
 def _env():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ember.config import ConfigError, ModelConfig
-from ember.parallel.tensor import check_tensor_parallel
+from ember.config import ModelConfig
+from ember.layout import Layout, problems
 
 WORKER = Path(__file__).with_name("tensor_worker.py")
 CONFIGS = ["mlm-learned-gelu-tied-bias", "mlm-rotary-swiglu-untied", "mlm-dense-sinusoidal-geglu-tied",
@@ -63,25 +63,23 @@ def test_gradients_come_back_in_their_parameters_layout(results):
     assert results["grad_layouts"] == []
 
 
-def test_uneven_sequence_is_refused_with_a_sentence(results):
-    assert results["uneven"] == ("sequence parallelism needs a sequence length divisible by "
-                                 "parallel.tp (2), got 7.")
-
-
 def _model(**overrides) -> ModelConfig:
     base = dict(vocab_size=1000, vocab_multiple=8, hidden=64, heads=8, mlp_hidden=256)
     return ModelConfig(**{**base, **overrides})
 
 
+def _problems(model: ModelConfig, tp: int, sp: bool, seq_len: int | None = None) -> list[str]:
+    return problems(Layout(tp=tp, sp=sp), model, global_batch=8, world=tp, seq_len=seq_len)
+
+
 def test_a_splittable_model_passes():
-    check_tensor_parallel(_model(), tp=4, sp=True)
-    check_tensor_parallel(_model(vocab_size=0), tp=8, sp=False)  # vocabulary not known yet
-    check_tensor_parallel(_model(heads=3), tp=1, sp=False)       # no tensor parallelism: nothing to split
+    assert _problems(_model(), tp=4, sp=True, seq_len=64) == []
+    assert _problems(_model(vocab_size=0), tp=8, sp=False) == []  # vocabulary not known yet
+    assert _problems(_model(heads=3), tp=1, sp=False) == []       # no tensor parallelism: nothing to split
 
 
 @pytest.mark.parametrize("overrides,tp,sp,words", [
-    ({}, 0, False, "parallel.tp must be at least 1"),
-    ({}, 1, True, "parallel.sp (sequence parallelism) needs parallel.tp > 1"),
+    ({}, 1, True, "parallel.sp (sequence parallel) splits the work of tensor parallelism, so it needs parallel.tp > 1"),
     ({"heads": 6}, 4, False, "model.heads (6) must be divisible by parallel.tp (4)"),
     ({"hidden": 66, "heads": 4}, 4, False, "model.hidden (66) must be divisible by parallel.tp (4)"),
     ({"hidden": 66, "heads": 2}, 2, False, None),  # divisible: no error
@@ -91,11 +89,13 @@ def test_a_splittable_model_passes():
     ({"vocab_size": 1001, "vocab_multiple": 6}, 4, False, "set model.vocab_multiple (now 6"),
 ])
 def test_validation_sentences(overrides, tp, sp, words):
-    if words is None:
-        check_tensor_parallel(_model(**overrides), tp=tp, sp=sp)
-        return
-    with pytest.raises(ConfigError) as err:
-        check_tensor_parallel(_model(**overrides), tp=tp, sp=sp)
-    message = str(err.value)
-    assert words in message
-    assert message.count(". ") == 0 and message.endswith("."), message  # one sentence
+    found = _problems(_model(**overrides), tp=tp, sp=sp)
+    assert found == [] if words is None else (len(found) == 1 and words in found[0])
+    assert all(reason.count(". ") == 0 for reason in found)  # one sentence each
+
+
+def test_a_sequence_that_does_not_split_over_the_ranks_is_refused():
+    found = _problems(_model(), tp=2, sp=True, seq_len=7)
+    assert found == ["sequence parallelism splits each sequence over the tensor-parallel ranks, so the data's "
+                     "sequence length (7) must be divisible by parallel.tp (2)"]
+    assert _problems(_model(), tp=2, sp=False, seq_len=7) == []

@@ -7,7 +7,8 @@ from ember.plan import comm
 from ember.plan.cluster import make_cluster
 from ember.plan.comm import Links
 from ember.hardware import gpu_by_name
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.memory import stage_params
 from ember.plan.predict import _stage_work, boundary_s, predict
@@ -69,7 +70,7 @@ def test_embedding_gradient_is_a_dense_table_on_the_first_stage():
     # The first stage of a pipeline carries it: its work is its layers, the embedding, and
     # accumulating its weight gradients, nothing else.
     cluster = make_cluster("A100-80GB", 2)
-    lo = Layout(pp=2, mbs=1, recompute="selective")
+    lo = Layout(pp=2, micro_batch=1, recompute="selective")
     stage_fwd, stage_bwd, _ = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
     layer = layer_times(LLAMA, A100, cluster.links, seq, 1, 1, False, "selective", "flash")
     layers = 16 * (layer.forward.total + layer.backward.total + layer.recompute.total)
@@ -96,8 +97,8 @@ def test_pipeline_boundary_regathers_scattered_activations_without_sp():
     cluster = make_cluster("A100-80GB", 64)
     shape = TrainShape(2048, 64)
     groups = comm.groups(8, 1, 1, 8, 8)
-    plain = Layout(tp=8, pp=8, mbs=1)
-    sp = Layout(tp=8, pp=8, mbs=1, sp=True)
+    plain = Layout(tp=8, pp=8, micro_batch=1)
+    sp = Layout(tp=8, pp=8, micro_batch=1, sp=True)
     full = 2048 * LLAMA.hidden * 2
     send = comm.p2p_s(full / 8, groups["pp"], cluster.links)
     assert boundary_s(LLAMA, shape, sp, groups, cluster.links) == pytest.approx(send)

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from ember.config import ConfigError
-from ember.plan.layout import Layout, TrainShape, candidates, check, parse_layout
+from ember.layout import Layout, problems
+from ember.plan.layout import TrainShape, candidates, parse_layout
 from ember.plan.models import PRESETS
 
 LLAMA = PRESETS["llama3-8b"]  # 32 heads, 8 key/value heads, 32 layers
@@ -14,7 +15,7 @@ SHAPE = TrainShape(4096, 64)
 
 def test_parse_full_form():
     lo = parse_layout("tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full", 384)
-    assert lo == Layout(tp=8, pp=12, dp_shard=4, dp_replicate=1, zero=1, mbs=1, recompute="full")
+    assert lo == Layout(tp=8, pp=12, dp_shard=4, dp_replicate=1, zero=1, micro_batch=1, recompute="full")
     lo = parse_layout("tp=2, sp=1, pp=4, vpp=2, dp=8, zero=3, dp_shard=4", 64)
     assert (lo.sp, lo.schedule, lo.dp_shard, lo.dp_replicate) == (True, "interleaved", 4, 2)
     assert parse_layout("tp=1,sp=1", 8).sp is False  # sequence parallelism needs tensor parallelism
@@ -34,33 +35,33 @@ def test_parse_rejects_malformed(text, words):
 
 
 @pytest.mark.parametrize("layout,words", [
-    (Layout(tp=3, dp_replicate=2), "GPUs"),  # 6 GPUs, not 8
-    (Layout(tp=16, dp_replicate=1), "GPUs"),
-    (Layout(tp=8, pp=2), "GPUs"),
+    (Layout(tp=3, dp_replicate=2), "must equal the world size 8"),  # 6 GPUs, not 8
+    (Layout(tp=16, dp_replicate=1), "must equal the world size 8"),
+    (Layout(tp=8, pp=2), "must equal the world size 8"),
     (Layout(tp=8), None),
-    (Layout(pp=3, dp_replicate=1, tp=1), "GPUs"),
+    (Layout(pp=3, dp_replicate=1, tp=1), "must equal the world size 8"),
 ])
-def test_gpu_count(layout, words):
-    reason = check(layout, LLAMA, 8, SHAPE)
-    assert (reason is None) if words is None else (words in reason)
+def test_world_size(layout, words):
+    found = problems(layout, LLAMA, SHAPE.global_batch, 8, ember=False)
+    assert (found == []) if words is None else any(words in reason for reason in found)
 
 
 @pytest.mark.parametrize("layout,gpus,words", [
-    (Layout(tp=16), 16, "must divide the 32 attention heads and the 8 key/value heads"),
-    (Layout(pp=3, dp_replicate=2), 6, "must divide the 32 layers"),
-    (Layout(pp=4, vpp=3, schedule="interleaved"), 4, "must divide the 32 layers"),
-    (Layout(dp_replicate=8, mbs=16), 8, "must divide the global batch"),
-    (Layout(pp=2, vpp=2), 2, "needs schedule=interleaved"),
-    (Layout(pp=2, schedule="interleaved"), 2, "needs pp >= 2 and vpp >= 2"),
-    (Layout(pp=4, vpp=2, schedule="interleaved", dp_replicate=2, mbs=16), 8, "multiple of pp"),  # 2 micro-batches
+    (Layout(tp=16), 16, "model.heads (32, 8 key/value heads) must be divisible by parallel.tp (16)"),
+    (Layout(pp=3, dp_replicate=2), 6, "model.layers (32) must be divisible by parallel.pp x parallel.vpp"),
+    (Layout(pp=4, vpp=3, schedule="interleaved"), 4, "model.layers (32) must be divisible"),
+    (Layout(dp_replicate=8, micro_batch=16), 8, "must be a multiple of data-parallel ranks x train.micro_batch"),
+    (Layout(pp=2, vpp=2), 2, "needs parallel.schedule=interleaved"),
+    (Layout(pp=2, schedule="interleaved"), 2, "needs parallel.vpp >= 2"),
+    (Layout(pp=4, vpp=2, schedule="interleaved", dp_replicate=2, micro_batch=16), 8, "needs at least parallel.pp=4 micro-batches"),
 ])
 def test_divisibility_rejections(layout, gpus, words):
-    assert words in check(layout, LLAMA, gpus, SHAPE)
+    assert any(words in reason for reason in problems(layout, LLAMA, SHAPE.global_batch, gpus, ember=False))
 
 
 def test_search_space_is_legal_and_keeps_tp_in_a_node():
     layouts = candidates(LLAMA, 32, 8, TrainShape(8192, 128))
-    assert layouts and all(check(lo, LLAMA, 32, TrainShape(8192, 128)) is None for lo in layouts)
+    assert layouts and all(problems(lo, LLAMA, 128, 32) == [] for lo in layouts)
     assert max(lo.tp for lo in layouts) == 8
     assert {lo.zero for lo in layouts} == {0, 1, 2, 3}
     assert {lo.recompute for lo in layouts} == {"none", "selective", "full"}
@@ -70,12 +71,13 @@ def test_search_space_is_legal_and_keeps_tp_in_a_node():
 
 
 def test_the_search_offers_only_layouts_embers_trainer_runs():
-    from ember.plan.layout import ember_refuses
-
     everything = candidates(LLAMA, 32, 8, TrainShape(8192, 128), ember_only=False)
     runnable = candidates(LLAMA, 32, 8, TrainShape(8192, 128))
-    refused = [lo for lo in everything if ember_refuses(lo)]
-    assert refused and all(lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1) for lo in refused)
+    refused = [lo for lo in everything if problems(lo, LLAMA, 128, 32)]
+    # Refused by ember alone: plain DDP beside tp/pp, and 1F1B with fewer micro-batches than stages.
+    assert refused and all((lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1))
+                           or lo.micro_batches(128) < lo.pp for lo in refused)
+    assert any(lo.zero == 0 and lo.dp > 1 and lo.tp > 1 for lo in refused)
     assert set(runnable) == set(everything) - set(refused)
     assert any(lo.zero == 0 and lo.tp == lo.pp == 1 for lo in runnable)  # plain DDP alone stays
 
@@ -85,7 +87,7 @@ def test_recompute_every_is_read_written_and_handed_to_the_trainer():
     assert lo.recompute_every == 3 and lo.recomputed_fraction(32) == 11 / 32  # layers 0, 3, ..., 30
     assert lo.text().endswith("recompute=selective,recompute_every=3")
     assert parse_layout(lo.text(), 8) == lo
-    assert lo.settings(SHAPE)["parallel.recompute_every"] == 3
+    assert lo.settings(SHAPE.global_batch)["parallel.recompute_every"] == 3
     assert parse_layout("recompute=none", 8).recomputed_fraction(32) == 0.0
     with pytest.raises(ConfigError, match="recompute_every must be a positive whole number"):
         parse_layout("recompute=full,recompute_every=0", 8)

@@ -3,7 +3,8 @@ Korthikanti et al.'s activation terms, micro-batches in flight per schedule."""
 
 import pytest
 
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.memory import activation_bytes_per_token, in_flight, stage_memory, total_params
 from ember.plan.models import PRESETS, ModelSpec
 
@@ -67,8 +68,8 @@ def test_full_recompute_and_sharding_lower_memory():
     from ember.hardware import gpu_by_name
 
     model, shape, gpu = PRESETS["llama2-7b"], TrainShape(4096, 64), gpu_by_name("A100-80GB")
-    none = memory(model, Layout(dp_shard=8, zero=1, mbs=2), shape, gpu)
-    full = memory(model, Layout(dp_shard=8, zero=1, mbs=2, recompute="full"), shape, gpu)
-    zero3 = memory(model, Layout(dp_shard=8, zero=3, mbs=2, recompute="full"), shape, gpu)
+    none = memory(model, Layout(dp_shard=8, zero=1, micro_batch=2), shape, gpu)
+    full = memory(model, Layout(dp_shard=8, zero=1, micro_batch=2, recompute="full"), shape, gpu)
+    zero3 = memory(model, Layout(dp_shard=8, zero=3, micro_batch=2, recompute="full"), shape, gpu)
     assert full.activations < none.activations / 10 and full.total < none.total
     assert zero3.total < full.total and zero3.weights == pytest.approx(full.weights / 8)

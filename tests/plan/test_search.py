@@ -2,7 +2,8 @@
 benchmarks/planner_accuracy.py, not here)."""
 
 from ember.plan.cluster import make_cluster
-from ember.plan.layout import TrainShape, check
+from ember.layout import problems
+from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.search import runners_up, search
 
@@ -14,7 +15,7 @@ def test_gpt3_175b_on_1024_gpus_is_searched_and_ranked():
     times = [p.step_time_s for p in result.ranked]
     assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:]))
     best = result.best.layout
-    assert check(best, PRESETS["gpt3-175b"], 1024, TrainShape(2048, 1536)) is None and best.tp <= 8
+    assert problems(best, PRESETS["gpt3-175b"], 1536, 1024) == [] and best.tp <= 8
     assert len({(p.layout.tp, p.layout.pp, p.layout.dp) for p in runners_up(result)}) >= 2
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from ember.plan.cluster import make_cluster
 from ember.hardware import gpu_by_name
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.predict import pipeline_s, predict
 from ember.plan.timing import matmul_efficiency, matmul_s
@@ -55,7 +56,7 @@ def test_tensor_parallelism_over_the_network_is_slower():
 
 
 def test_full_recompute_lowers_memory_and_raises_time():
-    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, mbs=2)
+    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, micro_batch=2)
     none, full = _predict(base), _predict(Layout(**{**base.__dict__, "recompute": "full"}))
     assert full.memory.total < none.memory.total
     assert full.step_time_s > 1.2 * none.step_time_s
@@ -64,7 +65,7 @@ def test_full_recompute_lowers_memory_and_raises_time():
 
 
 def test_step_figures_agree_with_each_other():
-    p = _predict(Layout(tp=2, sp=True, pp=2, dp_shard=2, zero=1, mbs=1))
+    p = _predict(Layout(tp=2, sp=True, pp=2, dp_shard=2, zero=1, micro_batch=1))
     tokens = 4096 * 64
     assert p.tokens_per_s_per_gpu == pytest.approx(tokens / p.step_time_s / 8)
     assert p.mfu == pytest.approx(p.tflops_per_gpu * 1e12 / A100.peak_bf16_flops)
@@ -73,7 +74,7 @@ def test_step_figures_agree_with_each_other():
 
 
 def test_recomputing_every_kth_layer_lies_between_none_and_all():
-    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, mbs=2)  # llama2-13b: 40 layers
+    base = Layout(tp=2, sp=True, dp_shard=4, zero=1, micro_batch=2)  # llama2-13b: 40 layers
     none = _predict(base)
     full = _predict(Layout(**{**base.__dict__, "recompute": "full"}))
     assert _predict(Layout(**{**base.__dict__, "recompute": "full", "recompute_every": 1})) == full

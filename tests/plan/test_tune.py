@@ -8,11 +8,12 @@ import pytest
 
 from conftest import REPO
 from ember.cli import main
-from ember.config import ConfigError, load_config
-from ember.plan.layout import Layout, TrainShape
+from ember.config import load_config
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.search import search
-from ember.tune.trials import (best_recipe, failure_reason, local_cluster, measured_throughput, parallel_trainer,
-                             plan_inputs, read_trial, run_process, select, trial_command, trial_settings)
+from ember.tune.trials import (best_recipe, failure_reason, local_cluster, measured_throughput, plan_inputs,
+                             read_trial, run_process, select, trial_command)
 
 SHAPE = TrainShape(64, 8)
 TINY_RECIPE = """[model]
@@ -60,35 +61,27 @@ def test_plan_inputs_take_vocabulary_and_sequence_from_the_data(recipe):
     assert model.vocab_size == 300 and shape.seq_len == 48 and shape.global_batch == 8
 
 
-def test_single_process_trainer_gets_only_layouts_it_can_run(recipe, tmp_path):
-    ranked, _ = _ranked(recipe, _profile(tmp_path), 1)
-    assert any(p.layout.recompute != "none" for p in ranked)  # the planner does consider them
-    chosen, passed = select(ranked, 2, parallel=False)
-    assert len(chosen) == 2 and all(p.layout.recompute == "none" and p.layout.gpus == 1 for p in chosen)
-    # They keep the planner's order, and every better-ranked layout passed over is counted.
+def test_tune_passes_over_layouts_the_recipe_cannot_train(recipe, tmp_path):
+    ranked, shape = _ranked(recipe, _profile(tmp_path), 2)
+    assert any(p.layout.pp > 1 for p in ranked)  # the planner does consider pipelines
+    everything, passed = select(ranked, 100, load_config(recipe), 2, shape.seq_len)
+    assert everything == ranked and passed == 0
+    # Compiled stages cannot run the zero-bubble schedules, and a document mask no pipeline:
+    # the trainer's own rules decide, with the recipe's settings.
+    masked = load_config(recipe, ["data.document_mask=true"])
+    chosen, passed = select(ranked, 100, masked, 2, shape.seq_len)
+    assert chosen and all(p.layout.pp == 1 for p in chosen)
+    assert passed == sum(p.layout.pp > 1 for p in ranked)
     positions = [ranked.index(p) for p in chosen]
-    assert positions == sorted(positions) and passed == positions[-1] - 1
-    everything, _ = select(ranked, 100, parallel=True)
-    assert everything == ranked
+    assert positions == sorted(positions)  # the planner's order is kept
 
 
-def test_two_processes_need_the_parallel_trainer(recipe, tmp_path):
-    ranked, _ = _ranked(recipe, _profile(tmp_path), 2)
-    assert ranked and all(p.layout.gpus == 2 for p in ranked)
-    chosen, passed = select(ranked, 3, parallel=False)
-    assert chosen == [] and passed == len(ranked)
-    assert [p.layout for p in select(ranked, 3, parallel=True)[0]] == [p.layout for p in ranked[:3]]
+def test_trial_settings_are_what_the_trainer_reads_back(recipe):
 
-
-def test_trial_settings_skip_parallel_keys_only_for_the_plain_trainer():
-    plain = Layout(mbs=2)
-    assert trial_settings(plain, SHAPE, parallel=False) == {"train.micro_batch": 2, "train.global_batch": 8}
-    settings = trial_settings(plain, SHAPE, parallel=True)
-    assert settings["parallel.tp"] == 1 and settings["parallel.recompute"] == "none"
-    with pytest.raises(ConfigError, match="parallel trainer"):
-        trial_settings(Layout(dp_replicate=2), SHAPE, parallel=False)
-    with pytest.raises(ConfigError, match="parallel trainer"):
-        trial_settings(Layout(recompute="full"), SHAPE, parallel=False)
+    for layout in (Layout(micro_batch=2), Layout(dp_shard=2, zero=3, recompute="full"), Layout(pp=2, micro_batch=2)):
+        settings = layout.settings(SHAPE.global_batch)
+        config = load_config(recipe, [f"{k}={v}" for k, v in settings.items()])
+        assert Layout.from_config(config, layout.gpus) == layout
 
 
 def test_trial_command_runs_torchrun_with_the_layout_after_the_users_overrides(tmp_path):
@@ -150,7 +143,6 @@ def test_best_recipe_is_the_recipe_with_the_layout(recipe):
     config = load_config(path)
     assert config.train.micro_batch == 2 and config.train.budget == "2h" and config.optim.lr == 1e-3
     assert config.model.hidden == 32
-    assert "[parallel]" not in text or parallel_trainer()
 
 
 @pytest.mark.parametrize("args, words", [
@@ -171,10 +163,7 @@ def test_mistakes_are_one_sentence_and_exit_2(args, words, recipe, dataset, tmp_
     assert not (tmp_path / "t").exists()
 
 
-TWO_PROCESSES = pytest.mark.skipif(not parallel_trainer(), reason="needs the parallel trainer ([parallel] config)")
-
-
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=TWO_PROCESSES)])
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_tune_runs_two_trials_and_writes_the_fastest(nproc, recipe, dataset, tmp_path, capsys):
     out = tmp_path / "tune"
     assert main(["tune", str(recipe), "--data", str(dataset), "--nproc", str(nproc), "--profile",

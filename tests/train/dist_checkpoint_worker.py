@@ -24,7 +24,8 @@ from torch import nn
 
 from ember.config import ModelConfig, OptimConfig
 from ember.model.transformer import Transformer
-from ember.train.dist_checkpoint import load_sharded, save_full_model, save_sharded
+from ember.train import checkpoint
+from ember.train.model_file import save_model
 from ember.train.setup import build_optimizer
 
 CFG = ModelConfig(vocab_size=64, vocab_multiple=64, hidden=32, layers=2, heads=4, mlp_hidden=64,
@@ -115,15 +116,14 @@ def assert_same_losses(got: list[float], want: list[float]) -> None:
 
 
 def save_single_process(work: Path) -> None:
-    """A run of the one-process trainer's format (train/checkpoint.py) with its config.toml."""
+    """A checkpoint of one process (no process group) with its config.toml."""
     from ember.config import Config, to_toml
-    from ember.train.checkpoint import save_checkpoint
 
     model = plain_model()
     optimizers = [adamw(model)]
     train_step(model, optimizers, batches()[0])
     run = work / "single"
-    save_checkpoint(run, 1, model, optimizers[0], {"progress": {"step": 1}, "data": {"position": 17}})
+    checkpoint.save(run, 1, [model], optimizers, {"progress": {"step": 1}, "data": {"position": 17}})
     (run / "config.toml").write_text(to_toml(Config(model=CFG, optim=OptimConfig(lr=1e-2))))
     reference = full_state([model], optimizers)
     torch.save({"state": reference, "losses": continuation(model, optimizers), "rng": []}, work / "ref_single.pt")
@@ -180,10 +180,10 @@ def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], 
     import torch.distributed as dist
 
     train_step(model, optimizers, batches()[0])
-    save_sharded(work / name, 1, parts, optimizers, {"progress": {"step": 1}, "data": {"position": 17}},
+    checkpoint.save(work / name, 1, parts, optimizers, {"progress": {"step": 1}, "data": {"position": 17}},
                  layout=degrees)
     draws = torch.rand(3)  # what the restored RNG must produce next on this rank
-    save_full_model(parts, work / f"{name}.safetensors")
+    save_model(parts, work / f"{name}.safetensors")
     reference = gather_to_rank0(full_state(parts, optimizers))
     rng = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(draws, rng, dst=0)
@@ -202,9 +202,9 @@ def load_phase(work: Path, name: str, label: str, model: nn.Module, optimizers: 
     ref = torch.load(work / f"ref_{name}.pt", weights_only=True)
     newest = max((work / name / "checkpoints").iterdir())
     own = torch.Generator().set_state(torch.get_rng_state())
-    state = load_sharded(newest, [model], optimizers, layout=degrees)
+    state = checkpoint.load(newest, [model], optimizers, layout=degrees)
     draws = torch.rand(3)
-    save_full_model([model], work / f"{label}.safetensors")
+    save_model([model], work / f"{label}.safetensors")
     got = gather_to_rank0(full_state([model], optimizers))
     losses = continuation(model, optimizers)
     assert state == {"progress": {"step": 1}, "data": {"position": 17}}, state
@@ -258,9 +258,9 @@ def main() -> None:
             # Every rank trains the whole model (no communication needed), but each saves
             # only the parts a pipeline rank would hold.
             train_step(model, optimizers[0] + optimizers[1], batches()[0])
-            save_sharded(work / "pp2", 1, parts[mine], optimizers[mine], {"progress": {"step": 1}},
+            checkpoint.save(work / "pp2", 1, parts[mine], optimizers[mine], {"progress": {"step": 1}},
                          layout=layout(pp=2))
-            save_full_model(parts[mine], work / "pp2.safetensors")
+            save_model(parts[mine], work / "pp2.safetensors")
             reference = gather_to_rank0(full_state(parts[mine], optimizers[mine]))
             losses = continuation(model, optimizers[0] + optimizers[1])
             if mine == 0:

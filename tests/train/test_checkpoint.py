@@ -1,6 +1,6 @@
 import torch
 
-from ember.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from ember.train.checkpoint import latest, list_checkpoints, load, save
 
 
 def _model_and_optimizer(seed):
@@ -15,12 +15,12 @@ def _model_and_optimizer(seed):
 def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
     model, opt = _model_and_optimizer(0)
     torch.manual_seed(123)
-    save_checkpoint(tmp_path, 7, model, opt, {"progress": {"step": 7}})
+    save(tmp_path, 7, [model], [opt], {"progress": {"step": 7}})
     expected_draw = torch.rand(3)
 
     other, other_opt = _model_and_optimizer(1)
     torch.manual_seed(999)
-    state = load_checkpoint(latest_checkpoint(tmp_path), other, other_opt)
+    state = load(latest(tmp_path), [other], [other_opt])
     assert state == {"progress": {"step": 7}}
     for a, b in zip(model.state_dict().values(), other.state_dict().values()):
         assert torch.equal(a, b)
@@ -31,19 +31,19 @@ def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
 def test_half_written_checkpoint_is_ignored_and_old_ones_pruned(tmp_path):
     model, opt = _model_and_optimizer(0)
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, model, opt, {}, keep=2)
+        save(tmp_path, step, [model], [opt], {}, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
     (tmp_path / "checkpoints" / "step_00000009.tmp").mkdir()  # a save killed midway
-    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    assert latest(tmp_path).name == "step_00000003"
 
 
 def test_tied_weights_survive(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    save_checkpoint(tmp_path, 1, model, opt, {})
+    save(tmp_path, 1, [model], [opt], {})
     fresh = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     fresh[1].weight = fresh[0].weight
-    load_checkpoint(latest_checkpoint(tmp_path), fresh, None)
+    load(latest(tmp_path), [fresh])
     assert torch.equal(fresh[0].weight, model[0].weight)
     assert fresh[1].weight is fresh[0].weight

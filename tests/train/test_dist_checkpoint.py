@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.eval.run import load_weights
+from ember import atomic
+from ember.config import ConfigError
 from ember.model.transformer import Transformer
-from ember.train import dist_checkpoint as dc
-from ember.train.checkpoint import latest_checkpoint, load_checkpoint
+from ember.train import checkpoint as ckpt
+from ember.train.model_file import load_model, save_model
 
 WORKER = Path(__file__).with_name("dist_checkpoint_worker.py")
 _spec = importlib.util.spec_from_file_location("dist_checkpoint_worker", WORKER)
@@ -38,7 +39,7 @@ def _free_port() -> int:
 def _launch(launch: str, world: int, work: Path) -> dict[str, str]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(dc.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(Path(ckpt.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(WORKER), launch, str(work)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -75,13 +76,13 @@ def test_zero3_x2_checkpoint_resumes_under_tensor_parallel_x2(saved):
 def test_rng_streams_are_restored_only_into_the_same_layout():
     zero3_x2 = worker.layout(dp_shard=2)
     saved = {"world_size": 2, "layout": zero3_x2}
-    assert dc.restores_rng(saved, 2, worker.layout(dp_shard=2))  # DDP x2 or ZeRO-1 x2: same degrees
-    assert not dc.restores_rng(saved, 2, worker.layout(tp=2))  # same size: tp ranks need equal streams
-    assert not dc.restores_rng(saved, 2, worker.layout(pp=2))
-    assert not dc.restores_rng(saved, 4, worker.layout(dp_shard=4))
-    assert not dc.restores_rng({"world_size": 2}, 2, zero3_x2)  # a checkpoint that names no layout
+    assert ckpt.restores_rng(saved, 2, worker.layout(dp_shard=2))  # DDP x2 or ZeRO-1 x2: same degrees
+    assert not ckpt.restores_rng(saved, 2, worker.layout(tp=2))  # same size: tp ranks need equal streams
+    assert not ckpt.restores_rng(saved, 2, worker.layout(pp=2))
+    assert not ckpt.restores_rng(saved, 4, worker.layout(dp_shard=4))
+    assert not ckpt.restores_rng({"world_size": 2}, 2, zero3_x2)  # a checkpoint that names no layout
     vpp = {**worker.layout(pp=2), "vpp": 2}
-    assert not dc.restores_rng({"world_size": 2, "layout": worker.layout(pp=2)}, 2, vpp)
+    assert not ckpt.restores_rng({"world_size": 2, "layout": worker.layout(pp=2)}, 2, vpp)
 
 
 def test_dp4_checkpoint_resumes_under_fsdp_x2(saved):
@@ -105,7 +106,7 @@ def test_one_process_checkpoint_resumes_as_pipeline_parts(saved):
     model = worker.plain_model()
     parts = [part for rank_parts in worker.pipeline_parts(model) for part in rank_parts]
     optimizers = [worker.adamw(part) for part in parts]
-    state = dc.load_sharded(work / "single" / "checkpoints" / "step_00000001", parts, optimizers)
+    state = ckpt.load(work / "single" / "checkpoints" / "step_00000001", parts, optimizers)
     assert state == {"progress": {"step": 1}, "data": {"position": 17}}
     ref = torch.load(work / "ref_single.pt", weights_only=True)
     worker.assert_same_state(worker.full_state(parts, optimizers), ref["state"])
@@ -132,8 +133,7 @@ def test_zero3_checkpoint_resumes_in_one_process(saved):
     torch.manual_seed(123)
     expected_draw = torch.rand(3)
     torch.manual_seed(123)
-    # The single-process loader dispatches on the folder's kind.
-    state = load_checkpoint(latest_checkpoint(work / "fsdp2"), model, opt)
+    state = ckpt.load(ckpt.latest(work / "fsdp2"), [model], [opt])
     assert torch.equal(torch.rand(3), expected_draw), "RNG of a 2-rank run must not be applied to 1 process"
     assert state == {"progress": {"step": 1}, "data": {"position": 17}}
     _assert_restored(model, opt, torch.load(work / "ref_fsdp2.pt", weights_only=True))
@@ -144,9 +144,9 @@ def test_pipeline_parts_resume_as_whole_model_in_one_process(saved):
     _check(results, "save_pp2")
     model = worker.plain_model()
     opt = worker.adamw(model)
-    path = latest_checkpoint(work / "pp2")
-    assert dc.is_sharded(path)
-    assert dc.load_sharded(path, [model], [opt]) == {"progress": {"step": 1}}
+    path = ckpt.latest(work / "pp2")
+    assert ckpt.is_checkpoint(path)
+    assert ckpt.load(path, [model], [opt]) == {"progress": {"step": 1}}
     _assert_restored(model, opt, torch.load(work / "ref_pp2.pt", weights_only=True))
 
 
@@ -156,7 +156,7 @@ def test_full_model_gathered_from_shards_and_stages_is_what_eval_reads(saved, na
     _check(results, "save_fsdp2", "save_fsdp4", "save_pp2", "tp2_from_fsdp2", "hsdp2x2_from_dp4")
     ref = torch.load(work / f"ref_{name.split('_from_')[-1]}.pt", weights_only=True)["state"]
     model = Transformer(worker.CFG)
-    load_weights(model, work / f"{name}.safetensors")
+    load_model(model, work / f"{name}.safetensors")
     for key, value in model.state_dict().items():
         assert torch.equal(value, ref["model." + key]), key
 
@@ -170,9 +170,9 @@ def test_tied_weights_from_two_stages_are_stored_once(tmp_path):
     last.head = torch.nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
     with torch.no_grad():
         last.head.weight.copy_(tied.embed.weight)  # a later stage's own copy, kept in sync
-    dc.save_full_model([first, last], tmp_path / "model.safetensors")
+    save_model([first, last], tmp_path / "model.safetensors")
     restored = Transformer(cfg)
-    load_weights(restored, tmp_path / "model.safetensors")
+    load_model(restored, tmp_path / "model.safetensors")
     assert restored.head.weight is restored.embed.weight
     assert torch.equal(restored.embed.weight, tied.embed.weight)
 
@@ -187,7 +187,7 @@ def test_tied_model_checkpoint_loads_into_stages_holding_embedding_and_head_apar
     tied = Transformer(cfg)
     opt = worker.adamw(tied)
     worker.train_step(tied, [opt], worker.batches()[0])
-    path = dc.save_sharded(tmp_path, 1, [tied], [opt], {})
+    path = ckpt.save(tmp_path, 1, [tied], [opt], {})
 
     torch.manual_seed(1)
     other = Transformer(cfg)
@@ -195,7 +195,7 @@ def test_tied_model_checkpoint_loads_into_stages_holding_embedding_and_head_apar
     last = worker.Part(other, [], head=True)
     last.head = torch.nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)  # the last stage's own copy
     optimizers = [worker.adamw(first), worker.adamw(last)]
-    dc.load_sharded(path, [first, last], optimizers)
+    ckpt.load(path, [first, last], optimizers)
     shared = opt.state[tied.embed.weight]
     for module, part_opt in ((first.embed, optimizers[0]), (last.head, optimizers[1])):
         assert torch.equal(module.weight, tied.embed.weight)
@@ -208,7 +208,7 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
     opt = worker.adamw(model)
     data = worker.batches()
     worker.train_step(model, [opt], data[0])
-    dc.save_sharded(tmp_path, 1, [model], [opt], {"progress": {"step": 1}})
+    ckpt.save(tmp_path, 1, [model], [opt], {"progress": {"step": 1}})
     at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
     worker.train_step(model, [opt], data[1])
 
@@ -219,55 +219,54 @@ def test_interrupted_save_leaves_previous_checkpoint_latest(tmp_path, monkeypatc
             raise KeyboardInterrupt("killed between writing and renaming")
         real_replace(src, dst)
 
-    monkeypatch.setattr(dc.os, "replace", crash_before_publish)
+    monkeypatch.setattr(atomic.os, "replace", crash_before_publish)
     with pytest.raises(KeyboardInterrupt):
-        dc.save_sharded(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
-    monkeypatch.setattr(dc.os, "replace", real_replace)
+        ckpt.save(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
 
     assert (tmp_path / "checkpoints" / "step_00000002.tmp" / ".metadata").is_file()  # fully written
-    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert ckpt.latest(tmp_path).name == "step_00000001"
     fresh = worker.plain_model()
-    assert load_checkpoint(latest_checkpoint(tmp_path), fresh, worker.adamw(fresh)) == {"progress": {"step": 1}}
+    assert ckpt.load(ckpt.latest(tmp_path), [fresh], [worker.adamw(fresh)]) == {"progress": {"step": 1}}
     for key, value in fresh.state_dict().items():
         assert torch.equal(value, at_step_1[key]), key
 
     # The next save of that step replaces the leftover, and old checkpoints are pruned.
-    dc.save_sharded(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
-    dc.save_sharded(tmp_path, 3, [model], [opt], {"progress": {"step": 3}}, keep=2)
+    ckpt.save(tmp_path, 2, [model], [opt], {"progress": {"step": 2}})
+    ckpt.save(tmp_path, 3, [model], [opt], {"progress": {"step": 3}}, keep=2)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000002", "step_00000003"]
 
 
-def test_is_sharded_tells_the_two_formats_apart(tmp_path):
-    from ember.train.checkpoint import save_checkpoint
-
+def test_a_checkpoint_of_an_older_ember_gets_one_sentence_and_still_evaluates(tmp_path):
     model = worker.plain_model()
-    plain = save_checkpoint(tmp_path / "a", 1, model, worker.adamw(model), {})
-    sharded = dc.save_sharded(tmp_path / "b", 1, [model], [worker.adamw(model)], {})
-    assert not dc.is_sharded(plain) and dc.is_sharded(sharded)
-    with pytest.raises(FileNotFoundError):
-        dc.load_sharded(tmp_path, [model], None)
+    old = tmp_path / "checkpoints" / "step_00000001"
+    old.mkdir(parents=True)
+    from safetensors.torch import save_model as save_safetensors
+    save_safetensors(model, str(old / "model.safetensors"))
+    torch.save(worker.adamw(model).state_dict(), old / "optimizer.pt")
+    assert not ckpt.is_checkpoint(old)
+    with pytest.raises(ConfigError, match="older ember"):
+        ckpt.load(old, [model], [worker.adamw(model)])
+    fresh = worker.plain_model()
+    load_model(fresh, old)  # its weights still evaluate and export
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+    with pytest.raises(ConfigError, match="not an ember checkpoint"):
+        ckpt.load(tmp_path, [model], None)
 
 
 def test_another_model_gets_one_clear_sentence_and_the_update_keeps_its_kernels(tmp_path):
-    from ember.config import Config, ConfigError, to_toml
-    from ember.train.checkpoint import save_checkpoint
-
     model = worker.plain_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     worker.train_step(model, [opt], worker.batches()[0])
-    path = dc.save_sharded(tmp_path, 1, [model], [opt], {})
+    path = ckpt.save(tmp_path, 1, [model], [opt], {})
     wider = Transformer(worker.CFG.__class__(**{**worker.CFG.__dict__, "hidden": 64}))
     with pytest.raises(ConfigError, match="Size mismatch.*embed.weight"):
-        dc.load_sharded(path, [wider], [worker.adamw(wider)])
-
-    plain = save_checkpoint(tmp_path / "plain", 1, model, opt, {})
-    (tmp_path / "plain" / "config.toml").write_text(to_toml(Config(model=worker.CFG)))
-    with pytest.raises(ConfigError, match="embed.weight of shape"):
-        dc.load_sharded(plain, [wider], [worker.adamw(wider)])
+        ckpt.load(path, [wider], [worker.adamw(wider)])
 
     same = worker.plain_model()
     other_kernels = torch.optim.AdamW(same.parameters(), lr=1e-3, foreach=True)
-    dc.load_sharded(path, [same], [other_kernels])
+    ckpt.load(path, [same], [other_kernels])
     assert other_kernels.param_groups[0]["foreach"] is True
     assert other_kernels.param_groups[0]["lr"] == 1e-2  # training state does come from the checkpoint

@@ -9,7 +9,7 @@ from conftest import REPO, TINY
 from ember.cli import main
 from ember.config import ConfigError, load_config
 from ember.eval.lm import evaluate_lm
-from ember.parallel.validate import check_layout
+from ember.layout import check_run
 from ember.train.trainer import Trainer
 
 TINY_GPT = str(REPO / "configs/tiny-gpt.toml")
@@ -50,7 +50,7 @@ def test_data_without_boundaries_is_refused_before_training(dataset, bounded, tm
 def test_pipeline_parallelism_is_refused():
     cfg = load_config(TINY_GPT, TINY + [MASK, "parallel.pp=2"])
     with pytest.raises(ConfigError, match="pipeline parallelism"):
-        check_layout(cfg, 2)
+        check_run(cfg, 2)
 
 
 def _trainer(data, run_dir, *overrides):

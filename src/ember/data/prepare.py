@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ember.atomic import TMP_SUFFIX, write_text_atomic
+from ember.atomic import TMP_SUFFIX, write_text
 from ember.data.clean import CleanConfig, transform
 from ember.data.dedup import DedupConfig
 from ember.data.errors import DataError
@@ -140,7 +140,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(out_dir, keep=TOKENIZER_FILE)
-        write_text_atomic(out_dir / TOKENIZER_FILE, tokenizer_text)
+        write_text(out_dir / TOKENIZER_FILE, tokenizer_text)
         options = dict(seq_len=seq_len, dtype=dtype, sep=specials["sep"], vocab=vocab, val_fraction=val_fraction,
                        seed=seed, shard_sequences=shard_sequences, progress=progress, dedup=dedup,
                        boundaries=doc_boundaries, val_mask=val_mask, curriculum=curriculum)
@@ -193,7 +193,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             "seed": seed,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"the disk holding {out_dir} is full ({err.strerror}); free some space and run the "

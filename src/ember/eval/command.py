@@ -21,7 +21,7 @@ def _cmd_glue(args) -> int:
 
 
 def _cmd_lm(args) -> int:
-    from ember.atomic import write_text_atomic
+    from ember.atomic import write_text
     from ember.eval.lm import evaluate_lm
 
     result = evaluate_lm(args.checkpoint, args.data, batches=args.batches, batch_size=args.batch_size,
@@ -35,7 +35,7 @@ def _cmd_lm(args) -> int:
     print(line)
     out = Path(args.out) if args.out else Path(result["checkpoint"]) / "eval" / "lm.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, json.dumps(result, indent=1))
+    write_text(out, json.dumps(result, indent=1))
     print(f"written to {out}")
     return 0
 

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ember.config import ConfigError
-from ember.atomic import write_text_atomic
+from ember.atomic import write_text
 from ember.eval.encode import encode_split
 from ember.eval.finetune import Classifier, Protocol, finetune, predict, total_steps
 from ember.eval.glue_tasks import COLUMNS, TaskData, load_task, parse_tasks
@@ -132,7 +132,7 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
     results["average"] = sum(results["columns"].values()) / len(results["columns"])
     results["complete"] = list(results["columns"]) == list(COLUMNS)
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(target, json.dumps(results, indent=1))
+    write_text(target, json.dumps(results, indent=1))
     results["path"] = str(target)
     return results
 

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 from ember.config import Config, ConfigError, load_config
 from ember.data import load_tokenizer, special_token_ids
 from ember.model import Transformer
-from ember.train.checkpoint import latest_checkpoint
-from ember.train.dist_checkpoint import is_sharded
+from ember.train.checkpoint import is_checkpoint, latest
+from ember.train.model_file import load_model
 
 
 @dataclass
@@ -41,27 +41,8 @@ class Run:
         """The trained Transformer; `dropout` overrides the recipe's (fine-tuning uses 0.1)."""
         cfg = self.config.model if dropout is None else replace(self.config.model, dropout=dropout)
         model = Transformer(cfg)
-        load_weights(model, self.weights)
+        load_model(model, self.weights)
         return model.to(device)
-
-
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """`path` is a model.safetensors file, or a sharded checkpoint folder written under
-    torchrun (any layout loads into the one-process model)."""
-    from safetensors.torch import load_model
-
-    if path.is_dir():
-        from ember.train.dist_checkpoint import load_sharded
-
-        load_sharded(path, [model], None)
-        return
-    try:
-        # load_model restores tied weights that save_model stored once.
-        load_model(model, str(path), strict=True, device="cpu")
-    except (RuntimeError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{path} does not hold weights for the model its config.toml describes ({first}); "
-                          "point --checkpoint at an unmodified ember run directory.") from None
 
 
 def _locate(path: Path) -> tuple[Path, Path]:
@@ -69,21 +50,21 @@ def _locate(path: Path) -> tuple[Path, Path]:
     if (path / "config.toml").is_file():
         if (path / "model.safetensors").is_file():
             return path, path / "model.safetensors"
-        newest = latest_checkpoint(path)
+        newest = latest(path)
         if newest is None:
             raise ConfigError(f"{path} holds no model.safetensors and no complete checkpoint yet; "
                               "let the run save a checkpoint first.")
         return path, _weights_in(newest)
     run_dir = path.parent.parent  # RUN_DIR/checkpoints/step_N
-    if (run_dir / "config.toml").is_file() and ((path / "model.safetensors").is_file() or is_sharded(path)):
+    if (run_dir / "config.toml").is_file() and ((path / "model.safetensors").is_file() or is_checkpoint(path)):
         return run_dir, _weights_in(path)
     raise ConfigError(f"{path} is not an ember run directory (no config.toml); "
                       "pass the --out folder of `ember train` or one of its checkpoints/step_* folders.")
 
 
-def _weights_in(checkpoint: Path) -> Path:
-    """A one-process checkpoint's weights file, or a sharded checkpoint's folder."""
-    return checkpoint if is_sharded(checkpoint) else checkpoint / "model.safetensors"
+def _weights_in(folder: Path) -> Path:
+    """A checkpoint folder, or the weights file inside one of an older ember."""
+    return folder if is_checkpoint(folder) else folder / "model.safetensors"
 
 
 def tokenizer_sha256(path: Path) -> str:

@@ -9,8 +9,8 @@
 - dp_replicate > 1 with zero >= 1: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh, i.e.
   hybrid sharding: states sharded inside a replica, gradients all-reduced across replicas.
 
-Every wrapper averages gradients over the data-parallel ranks; the engine multiplies the
-loss by `grad_scale` (the dp size) so that the result is the gradient of the global sum.
+Every wrapper averages gradients over the data-parallel ranks; the engines multiply the
+loss by the dp size (`build_engine`) so that the result is the gradient of the global sum.
 bf16 mixed precision on CUDA keeps fp32 master weights and reduces gradients in fp32.
 """
 
@@ -31,7 +31,6 @@ class DataParallel:
 
     module: nn.Module
     zero: int
-    grad_scale: float
 
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward reduces gradients (False: accumulate locally).
@@ -57,7 +56,7 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
 
         kwargs = {"device_ids": [device]} if device.type == "cuda" else {}
         replicate(module, process_group=topo.group("dp"), **kwargs)
-        return DataParallel(module, zero, float(dp))
+        return DataParallel(module, zero)
     fully_shard, MixedPrecisionPolicy = _fsdp()
     mesh = topo.mesh["dp_shard"] if topo.size("dp_replicate") == 1 else topo.mesh["dp_replicate", "dp_shard"]
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -68,4 +67,4 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
     # The root holds embeddings, final norm and head (a tied head shares the embedding's
     # weight, so both must sit in the same FSDP group); nothing runs after it, so keep it.
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    return DataParallel(module, zero, float(dp))
+    return DataParallel(module, zero)

@@ -15,14 +15,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ember.config import Config, ConfigError
+from ember.config import Config
 from ember.parallel.data import DataParallel, apply_data_parallel
+from ember.parallel.dtensor import local_tensor
+from ember.parallel.grads import clip_grad_norm
 from ember.parallel.mesh import Topology
+from ember.parallel import tensor
+from ember.parallel.pipeline import PipelineEngine
 from ember.parallel.recompute import apply_compile, apply_recompute
-from ember.parallel.validate import optional_module
 from ember.device import NO_TIMER, PhaseTimer, autocast
-
-
 
 
 class Engine:
@@ -31,7 +32,7 @@ class Engine:
     timer: PhaseTimer = NO_TIMER  # the trainer's; engines that can split their work time it
 
     # `document_ids` (rows x sequence, or None) keeps attention inside each document;
-    # engines that cannot carry it refuse the layout in `validate.check_layout`.
+    # layouts whose engine cannot carry it are refused by `ember.layout`.
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                          document_ids: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -42,41 +43,6 @@ class Engine:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         raise NotImplementedError
-
-
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
-    """The 2-norm of all gradients of `parts` over every rank that holds a piece of them
-    (DTensor shards of FSDP and tensor parallel; pipeline stages through `pp_group`),
-    and the gradients scaled down to `max_norm` when it is exceeded (inf: never)."""
-    params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    if grads:
-        total = torch.nn.utils.get_total_norm(grads, 2.0)
-        if hasattr(total, "full_tensor"):  # a DTensor: partial sums over its shards
-            total = total.full_tensor()
-    else:
-        total = torch.zeros((), device=_device_of(parts))
-    if pp_group is not None:
-        import torch.distributed as dist
-
-        squared = total.float() ** 2
-        dist.all_reduce(squared, group=pp_group)
-        total = squared.sqrt()
-    if max_norm != float("inf") and grads:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss computed under tensor parallel's loss_parallel is a replicated DTensor."""
-    return loss.to_local() if hasattr(loss, "to_local") else loss
-
-
-def _device_of(parts: list[nn.Module]) -> torch.device:
-    for part in parts:
-        for p in part.parameters():
-            return p.device
-    return torch.device("cpu")
 
 
 def _documents(document_ids: torch.Tensor | None, start: int, end: int) -> dict:
@@ -91,16 +57,16 @@ class LocalEngine(Engine):
 
     def __init__(self, module: nn.Module, optimizer: Optimizer, micro_batch: int, device: torch.device,
                  amp_dtype: torch.dtype | None = None, data_parallel: DataParallel | None = None,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 grad_scale: float = 1.0):
         self.parts, self.optimizers = [module], [optimizer]
         self.module, self.micro_batch, self.device, self.amp_dtype = module, micro_batch, device, amp_dtype
-        self.data_parallel, self.loss_context = data_parallel, loss_context
+        self.data_parallel, self.loss_context, self.grad_scale = data_parallel, loss_context, grad_scale
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
                          document_ids: torch.Tensor | None = None) -> torch.Tensor:
         dp = self.data_parallel
-        # Wrappers average over dp ranks; multiplying first makes the reduction a sum.
-        factor = scale * dp.grad_scale if dp is not None else scale
+        factor = scale * self.grad_scale
         total = torch.zeros((), device=self.device)
         starts = range(0, len(inputs), self.micro_batch)
         for i, start in enumerate(starts):
@@ -113,7 +79,7 @@ class LocalEngine(Engine):
                                        **_documents(document_ids, start, end))
                 with self.timer.phase("backward"):
                     (part * factor).backward()
-            total += _plain(part.detach()).float()
+            total += local_tensor(part.detach()).float()
         return total
 
     @torch.no_grad()
@@ -126,12 +92,13 @@ class LocalEngine(Engine):
             with self.loss_context(), autocast(self.device, self.amp_dtype):
                 part = self.module(inputs[start:end], labels[start:end], reduction="sum",
                                    **_documents(document_ids, start, end))
-                total += _plain(part).double()
+                total += local_tensor(part).double()
         self.module.train()
         return total
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self.parts, max_norm)
+        params = list(self.module.parameters())
+        return clip_grad_norm(params, params, max_norm)
 
 
 class Wrapper:
@@ -142,7 +109,7 @@ class Wrapper:
     def __init__(self, cfg: Config, topo: Topology, device: torch.device, amp_dtype: torch.dtype | None):
         self.cfg, self.topo, self.device, self.amp_dtype = cfg, topo, device, amp_dtype
         self.data_parallel: dict[int, DataParallel | None] = {}
-        self.tensor = optional_module("tensor") if cfg.parallel.tp > 1 else None
+        self.tensor = tensor if cfg.parallel.tp > 1 else None
 
     def __call__(self, module: nn.Module) -> nn.Module:
         p = self.cfg.parallel
@@ -165,34 +132,13 @@ def build_engine(cfg: Config, model: nn.Module, topo: Topology, device: torch.de
                  amp_dtype: torch.dtype | None, make_optimizer: Callable[[nn.Module], Optimizer]) -> Engine:
     """The engine for the run's layout; `model` is the plain Transformer on `device`."""
     wrap = Wrapper(cfg, topo, device, amp_dtype)
+    # DDP and FSDP average gradients over the data-parallel ranks; scaling the loss by their
+    # number first makes that reduction the sum the single-device gradient needs.
+    grad_scale = float(topo.size("dp"))
     if cfg.parallel.pp > 1:
-        pipeline = optional_module("pipeline")
-        if pipeline is None:
-            raise ConfigError("pipeline parallelism is not available in this build.")
-        engine = pipeline.build_pipeline_engine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device,
-                                                wrap, make_optimizer, amp_dtype)
-        return _Rescaled(engine, topo.size("dp")) if topo.size("dp") > 1 else engine
+        return PipelineEngine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device, wrap, make_optimizer,
+                              amp_dtype, grad_scale)
     module = wrap(model)
     # The optimizer is built after wrapping so that it holds the sharded parameters.
     return LocalEngine(module, make_optimizer(module), cfg.train.micro_batch, device, amp_dtype,
-                       wrap.data_parallel[id(module)], wrap.loss_context(module))
-
-
-class _Rescaled(Engine):
-    """A pipeline engine whose stages `wrap` put under DDP/FSDP: those average gradients
-    over the dp ranks, so the scale handed down carries the dp size to make it a sum."""
-
-    def __init__(self, engine: Engine, factor: float):
-        self.engine, self.factor = engine, factor
-        self.parts, self.optimizers = engine.parts, engine.optimizers
-
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.engine.forward_backward(inputs, labels, scale * self.factor, document_ids)
-
-    def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.engine.loss_sum(inputs, labels, document_ids)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return self.engine.clip_grad_norm(max_norm)
+                       wrap.data_parallel[id(module)], wrap.loss_context(module), grad_scale)

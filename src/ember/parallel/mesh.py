@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ember.config import ParallelConfig
+from ember.layout import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 _FLAT_DP: dict[int, DeviceMesh] = {}  # id(root mesh) -> its flattened "dp" mesh
@@ -25,14 +25,6 @@ def env_world() -> tuple[int, int, int]:
     """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) without it."""
     return (int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0)),
             int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def resolve_sizes(parallel: ParallelConfig, world: int) -> dict[str, int]:
-    """Mesh sizes by dim name, dp_shard=-1 resolved to the rest of the world (at least 1;
-    `ember.parallel.validate` explains sizes that do not multiply to the world)."""
-    rest = world // max(1, parallel.pp * parallel.dp_replicate * parallel.tp)
-    shard = parallel.dp_shard if parallel.dp_shard != -1 else max(1, rest)
-    return {"pp": parallel.pp, "dp_replicate": parallel.dp_replicate, "dp_shard": shard, "tp": parallel.tp}
 
 
 def init_distributed(device: torch.device) -> None:
@@ -47,8 +39,8 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend="gloo")
 
 
-def build_mesh(parallel: ParallelConfig, world: int, device_type: str) -> DeviceMesh:
-    sizes = resolve_sizes(parallel, world)
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    sizes = layout.sizes
     mesh = init_device_mesh(device_type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
     _FLAT_DP[id(mesh)] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh

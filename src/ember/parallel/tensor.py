@@ -38,50 +38,18 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ember.config import ConfigError, ModelConfig
 
 # Set on an output layer whose logits are vocabulary-sharded: its loss and backward must
 # run under loss_parallel (found again through any wrapper by walking .modules()).
 _LOSS_PARALLEL_MARK = "_ember_loss_parallel"
 
 
-def check_tensor_parallel(model: ModelConfig, tp: int, sp: bool) -> None:
-    """Refuses, with one sentence, a model that cannot be split over `tp` ranks."""
-    if tp < 1:
-        raise ConfigError(f"parallel.tp must be at least 1, got {tp}.")
-    if sp and tp == 1:
-        raise ConfigError("parallel.sp (sequence parallelism) needs parallel.tp > 1: "
-                          "it splits the sequence over the tensor-parallel ranks.")
-    if tp == 1:
-        return
-    if model.heads % tp:
-        raise ConfigError(f"model.heads ({model.heads}) must be divisible by parallel.tp ({tp}): "
-                          "each tensor-parallel rank computes whole attention heads.")
-    if model.hidden % tp:
-        raise ConfigError(f"model.hidden ({model.hidden}) must be divisible by parallel.tp ({tp}).")
-    if model.mlp_hidden % tp:
-        raise ConfigError(f"model.mlp_hidden ({model.mlp_hidden}) must be divisible by parallel.tp ({tp}): "
-                          "each tensor-parallel rank holds mlp_hidden/tp channels of the MLP.")
-    if model.vocab_size <= 0:  # not known yet: only a multiple of tp is sure to split
-        if model.vocab_multiple % tp:
-            raise ConfigError(
-                f"model.vocab_multiple ({model.vocab_multiple}) must be a multiple of parallel.tp ({tp}): the "
-                f"vocabulary is padded up to a multiple of it and split over the tensor-parallel ranks.")
-        return
-    padded = model.padded_vocab
-    if padded % tp:
-        raise ConfigError(
-            f"the padded vocabulary ({padded}) must be divisible by parallel.tp ({tp}) to split the "
-            f"embedding and output layer over the vocabulary; set model.vocab_multiple "
-            f"(now {model.vocab_multiple}, the vocabulary is padded up to a multiple of it) to a multiple of {tp}.")
-
-
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Splits, in place, whichever of `embed`, `pos_embed`, `blocks` (nn.ModuleList or an
     nn.ModuleDict keyed by layer index), `norm` and `head` the module has (the whole
     Transformer or a pipeline stage) over the 1-D `tp_mesh`. Build the model identically
-    on every rank first (rank 0's values are the ones distributed); check the config with
-    check_tensor_parallel beforehand. Run forward and backward under
+    on every rank first (rank 0's values are the ones distributed); `ember.layout` checks
+    that the model splits. Run forward and backward under
     loss_parallel_context(module)."""
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs the 1-D tp mesh, got a {tp_mesh.ndim}-D mesh.")
@@ -209,9 +177,6 @@ def _local_output(_module: nn.Module, output: DTensor, _mesh: DeviceMesh):
 def _take_sequence_slice(mesh: DeviceMesh):
     def hook(_module: nn.Module, args: tuple) -> tuple:
         x = args[0]
-        if x.shape[1] % mesh.size():
-            raise ConfigError(f"sequence parallelism needs a sequence length divisible by parallel.tp "
-                              f"({mesh.size()}), got {x.shape[1]}.")
         # Replicate -> Shard(1) keeps this rank's slice; its backward all-gathers. The
         # copy keeps a view of a DTensor out of a compiled block (see the embedding).
         dx = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ember.atomic import write_text
 from ember.config import ConfigError
 
 MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
@@ -266,12 +267,6 @@ def _set_link(links: dict, which: str, busbw_gbps: float, latency_s: float, know
     links[f"{which}_latency_s"] = latency_s
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _collective_sections(device: torch.device, quick: bool, world: int, local_world: int) -> dict:
     sizes, min_time = MESSAGE_BYTES[(device.type, quick)], MIN_TIME[quick]
     rank = dist.get_rank()
@@ -320,7 +315,7 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         known, info = describe_device(device, per_node)
         profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out, json.dumps(profile, indent=2) + "\n")
+        write_text(out, json.dumps(profile, indent=2) + "\n")
         return profile
     finally:
         if started:

@@ -95,7 +95,8 @@ def _setup(args):
 
 def run_plan(args) -> int:
     from ember.plan import report
-    from ember.plan.layout import parse_layout, require
+    from ember.layout import problems
+    from ember.plan.layout import parse_layout
     from ember.plan.search import rank, runners_up, search
 
     setup = _setup(args)
@@ -108,17 +109,19 @@ def run_plan(args) -> int:
         console = Console(width=160)
     if args.layout is not None:
         layout = parse_layout(args.layout, cluster.n_gpus)
-        require(layout, model, cluster.n_gpus, shape)
+        found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
+        if found:
+            raise ConfigError(f"layout {layout.text()} cannot run: {found[0]}.")
         p = rank(model, cluster, shape, [layout])[0]
         command = report.train_command(p, model, recipe, cluster, shape)
         if args.json:
             print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
-                              "command": command, "notes": report.command_notes(model, recipe, layout)}, indent=2))
+                              "command": command, "notes": report.command_notes(model, recipe, layout, shape)}, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
         report.print_text(console, report.memory_line(p) + "\n" + command)
-        for note in report.command_notes(model, recipe, layout):
+        for note in report.command_notes(model, recipe, layout, shape):
             report.print_text(console, "note: " + note)
         return 0
 

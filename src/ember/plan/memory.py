@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ember.cost import gated, kv_hidden, matmul_params
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 
 GIB = 2**30
 WEIGHT_BYTES = 2
@@ -138,8 +139,8 @@ class Memory:
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
                  attention: str, capacity: float) -> Memory:
-    s, b, t = shape.seq_len, layout.mbs, layout.tp
-    m = layout.micro_batches(shape)
+    s, b, t = shape.seq_len, layout.micro_batch, layout.tp
+    m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
     params = stage_params(model, layout, stage)
     weights = params * WEIGHT_BYTES / (shard if layout.zero >= 3 else 1)

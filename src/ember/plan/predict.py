@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from ember.plan import comm
 from ember.plan.cluster import Cluster
 from ember.cost import model_flops_per_token, recompute_flops_per_token
-from ember.plan.layout import Layout, TrainShape
+from ember.layout import Layout
+from ember.plan.layout import TrainShape
 from ember.plan.memory import BUCKET_BYTES, GIB, Memory, memory, stage_params
 from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s
 
@@ -73,16 +74,16 @@ def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tu
 def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and the
     seconds its compute could hide communication behind."""
-    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
+    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
     n = model.layers / lo.pp
     # Only the layers `recompute_every` covers rerun their forward.
     fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * (n * lo.recomputed_fraction(model.layers))
     if stage == 0:
-        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp)
+        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
     if stage == lo.pp - 1:
-        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp)
+        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * cluster.stack.grad_bytes
@@ -95,7 +96,7 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> flo
     (Narayanan et al. 2021, scatter/gather optimisation). Without sequence parallelism the
     next stage needs the whole activation on every rank, so the receivers all-gather it over
     NVLink; with sequence parallelism the slice is what the next layer takes."""
-    full = lo.mbs * shape.seq_len * model.hidden * 2
+    full = lo.micro_batch * shape.seq_len * model.hidden * 2
     send = comm.p2p_s(full / lo.tp, groups["pp"], links)
     gather = comm.all_gather_s(full, groups["tp"], links) if lo.tp > 1 and not lo.sp else 0.0
     return send + gather
@@ -104,7 +105,7 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> flo
 def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
-    m = lo.micro_batches(shape)
+    m = lo.micro_batches(shape.global_batch)
     grad_bytes = stack.grad_bytes
     p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links) if lo.pp > 1 else 0.0
 
@@ -168,6 +169,6 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
-    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.mbs, lo.tp, lo.sp,
+    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
     return layers.recompute.compute * model.layers / lo.pp * lo.recomputed_fraction(model.layers)

@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ember.plan.cluster import Cluster
-from ember.plan.layout import Layout, TrainShape, ember_refuses
+from ember.layout import Layout, problems
+from ember.plan.layout import TrainShape
 from ember.plan.memory import GIB, total_params
 from ember.plan.predict import Prediction
 
@@ -25,7 +26,7 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     if cluster.nodes > 1:
         parts += ["--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR", "--master-port=29500"]
     parts += ["-m", "ember", "train", recipe or "RECIPE.toml", "--data", "DATA_DIR", "--out", "RUN_DIR"]
-    settings = dict(prediction.layout.settings(shape))
+    settings = dict(prediction.layout.settings(shape.global_batch))
     settings["train.precision"] = shape.precision
     if recipe is None:
         for key in _MODEL_KEYS:
@@ -39,11 +40,13 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     return " ".join(p if p.startswith("$") or "=$" in p else shlex.quote(p) for p in parts)
 
 
-def command_notes(model, recipe: str | None, layout: Layout | None = None) -> list[str]:
+def command_notes(model, recipe: str | None, layout: Layout | None = None, shape: TrainShape | None = None) -> list[str]:
     notes = []
-    refused = layout is not None and ember_refuses(layout)
-    if refused:
-        notes.append(f"{refused}: set parallel.zero=1 in the command.")
+    if layout is not None and shape is not None:
+        # What only ember's trainer refuses (other frameworks run it, and the planner prices it).
+        elsewhere = set(problems(layout, model, shape.global_batch, ember=False))
+        notes += [f"ember's trainer refuses this layout: {reason}." for reason in
+                  problems(layout, model, shape.global_batch, ember=True) if reason not in elsewhere]
     if model.kv_heads != model.heads:
         notes.append(f"{model.name} groups its {model.heads} query heads over {model.kv_heads} key/value heads, "
                      "which ember's model does not implement yet; the command trains full multi-head attention.")
@@ -77,7 +80,7 @@ def table(predictions: list[Prediction]) -> Table:
         dp = str(lo.dp) if lo.dp_replicate == 1 or lo.zero == 0 else f"{lo.dp_replicate}x{lo.dp_shard}"
         pp = str(lo.pp) + ("" if lo.pp == 1 or lo.schedule == "1f1b" else f" {lo.schedule}")
         out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", pp, str(lo.vpp) if lo.vpp > 1 else "", dp,
-                    str(lo.zero), str(lo.mbs), lo.recompute, f"{p.step_time_s:.3g}",
+                    str(lo.zero), str(lo.micro_batch), lo.recompute, f"{p.step_time_s:.3g}",
                     f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", size,
                     f"{states:.1f}+{acts:.1f}+{other:.1f}", f"{100 * comm:.1f}%", f"{100 * p.shares['bubble']:.1f}%")
     return out

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ember.config import ConfigError
 from ember.plan.cluster import Cluster
-from ember.plan.layout import Layout, TrainShape, candidates
+from ember.layout import Layout
+from ember.plan.layout import TrainShape, candidates
 from ember.plan.predict import Prediction, predict
 
 

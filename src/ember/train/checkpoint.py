@@ -1,35 +1,101 @@
-"""Checkpoints that are never half-written and never unpickle arbitrary objects.
+"""Checkpoints: one format for one process and for any layout under torchrun, never
+half-written, never unpickling arbitrary objects.
 
-A checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` holding
-`model.safetensors`, `optimizer.pt` (tensors and numbers only, loaded with
-`weights_only=True`), `rng.pt` and `state.json` (progress, data position). It is written
-under a `.tmp` name and renamed when complete, so the newest folder without that suffix
-is always loadable, whenever the process dies.
+A checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` holding:
+
+- the `torch.distributed.checkpoint` files (`.metadata` and one `*.distcp` per writing
+  rank): model parameters under `model.<FQN>` and AdamW states under
+  `optim.state.<FQN>.<name>` / `optim.param_groups.<FQN>.<name>`, where FQN is the plain
+  Transformer's parameter name ("blocks.3.attn.q_proj.weight"). Wrappers (DDP, FSDP2,
+  compile, activation checkpointing) are stripped and DTensor shards (FSDP, tensor
+  parallel) are stored as pieces of the whole tensor, so the keys and shapes do not
+  depend on the layout that wrote them and any other layout, one process included,
+  re-slices them on load;
+- `rng/rank_NNNNN.pt`, each rank's torch RNG state (tensors only, loaded with
+  `weights_only=True`), restored only when the loading layout is the saving one
+  (`restores_rng`);
+- `sharded.json` (world size and parallel degrees at save time) and `state.json`
+  (progress and data position: the `state` the trainer passes), written by rank 0.
+
+Every rank writes into `step_N.tmp/`; after a barrier rank 0 flushes and renames it, so
+a crash at any moment leaves the newest complete checkpoint loadable. The whole model for
+evaluation and export is `RUN_DIR/model.safetensors` (`train/model_file.py`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from ember.atomic import publish_dir
+from ember.config import ConfigError
 
 PREFIX = "step_"
+LAYOUT_FILE = "sharded.json"  # its name from when only torchrun runs wrote this format
+# Per-FQN optimizer keys (instead of integer parameter ids) are what let one optimizer per
+# pipeline part be merged with, and split back into, any other set of parts.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+# How this process runs the update (kernels for its device), not training state: a
+# checkpoint from GPUs must not switch a CPU run to fused kernels, or back.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process():
+    # DCP warns that it assumes one process when there is no process group: that is the
+    # intended use here (one process saving or loading), not a mistake.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and "." not in p.name]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (Path(path) / LAYOUT_FILE).is_file()
 
 
 def rng_state() -> dict[str, Any]:
@@ -45,63 +111,121 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    keep: int = 2,
-) -> Path:
-    """Write a complete checkpoint for `step`, then drop all but the newest `keep`."""
+def restores_rng(saved: dict, world_size: int, layout: dict | None) -> bool:
+    """Whether each rank gets back the RNG stream the rank of its number saved: only when
+    the world size and every parallel degree (`layout`, as the saver recorded it) are
+    unchanged. Streams encode the layout: tensor-parallel ranks hold equal streams (they
+    must draw the same dropout masks on replicated activations) and data-parallel ranks
+    different ones, so under another layout of the same size rank numbers pair the wrong
+    streams (zero3 x2 -> tp2 would give one tp group two streams, and its ranks would drift
+    apart with dropout > 0). Otherwise the ranks keep the streams a fresh run of their
+    layout starts with."""
+    return saved.get("world_size") == world_size and saved.get("layout") == layout
+
+
+def _collect(parts: list[nn.Module], optimizers: list[Optimizer] | None,
+             aliases: bool = False) -> tuple[dict, list[list[str]], list[list[str]]]:
+    """The state dict of all parts keyed by FQN, and which keys belong to which part."""
+    if optimizers is not None and len(optimizers) != len(parts):
+        raise ValueError(f"{len(parts)} model parts but {len(optimizers)} optimizers; pass one optimizer per part.")
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    model_keys, optim_keys = [], []
+    for i, part in enumerate(parts):
+        sd = get_model_state_dict(part)
+        model_keys.append(list(sd))
+        model.update(sd)
+        if optimizers is not None:
+            osd = get_optimizer_state_dict(part, optimizers[i], options=_OPTIM)
+            if aliases:
+                osd = _with_aliases(osd, part)
+            optim_keys.append(list(osd))
+            optim.update(osd)
+    state = {"model": model}
+    if optimizers is not None:
+        state["optim"] = optim
+    return state, model_keys, optim_keys
+
+
+def _with_aliases(osd: dict[str, Any], part: nn.Module) -> dict[str, Any]:
+    """Also key the states of a tied parameter (embedding and output layer) under its other
+    names. The optimizer keys it by one name only, but a pipeline's last stage holds the
+    output layer alone and must find its states under "head.weight"."""
+    names: dict[int, list[str]] = {}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        # _get_fqns strips wrapper prefixes exactly as get_model_state_dict does.
+        names.setdefault(id(param), []).extend(sorted(_get_fqns(part, name)))
+    out = dict(osd)
+    for fqns in (f for f in names.values() if len(f) > 1):
+        for kind in ("state", "param_groups"):
+            have = next((f for f in fqns if any(k.startswith(f"{kind}.{f}.") for k in osd)), None)
+            if have is None:
+                continue
+            for key in [k for k in osd if k.startswith(f"{kind}.{have}.")]:
+                for other in fqns:
+                    out.setdefault(f"{kind}.{other}.{key[len(kind) + len(have) + 2:]}", osd[key])
+    return out
+
+
+def save(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Optimizer], state: dict,
+         keep: int = 2, layout: dict | None = None) -> Path:
+    """Write this rank's shards of `parts` and `optimizers` for `step`; every rank calls it.
+    `layout` (the parallel degrees) is recorded for `restores_rng`. Returns the final
+    folder; all but the newest `keep` checkpoints are then removed."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    for f in tmp.iterdir():
-        with open(f, "rb+") as handle:
-            os.fsync(handle.fileno())
-    if final.exists():  # the same step saved twice (a final save right after a periodic one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if rank() == 0:
+        if tmp.exists():  # left by a crash in an earlier save of this step
+            shutil.rmtree(tmp)
+        (tmp / "rng").mkdir(parents=True)
+    barrier()
+    to_save, _, _ = _collect(parts, optimizers, aliases=True)
+    with _quiet_single_process():
+        dcp.save(to_save, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
+    barrier()  # every rank's files are complete before rank 0 publishes the folder
+    if rank() == 0:
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": world(), "layout": layout}))
+        publish_dir(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()  # nobody reads or rewrites the folder before it has its final name
     return final
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and "." not in p.name]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def load_checkpoint(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, Any]:
-    """Restore model (and optimizer, RNG) in place; return the saved state. A sharded
-    checkpoint (written under torchrun) loads too, into this one process."""
+def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None = None,
+         layout: dict | None = None) -> dict:
+    """Fill `parts` (and `optimizers`, and this rank's RNG when `layout` is the saver's) from
+    a checkpoint written under any layout; every rank calls it. Works without a process
+    group (one process). Returns the saved `state`."""
     path = Path(path)
-    from ember.train.dist_checkpoint import is_sharded, load_sharded  # it imports this module
-
-    if is_sharded(path):
-        return load_sharded(path, [model], [optimizer] if optimizer is not None else None)
-    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    if not is_checkpoint(path):
+        if (path / "optimizer.pt").is_file():
+            raise ConfigError(f"{path} was written by an older ember in a format this one cannot resume; "
+                              "its model.safetensors still evaluates and exports, or start a new run.")
+        raise ConfigError(f"{path} is not an ember checkpoint (it has no {LAYOUT_FILE}).")
+    # Fresh optimizers get zero states here, shaped and placed like the parameters, so
+    # DCP has a destination for every shard.
+    to_load, model_keys, optim_keys = _collect(parts, optimizers)
+    try:
+        with _quiet_single_process():
+            dcp.load(to_load, checkpoint_id=str(path))
+    except dcp.CheckpointException as err:  # raised on every rank alike
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ConfigError(f"{path} does not hold the state of this model ({lines[-1] if lines else 'unreadable'}); "
+                          "resume with the model settings the run was saved with.") from None
+    for i, part in enumerate(parts):
+        set_model_state_dict(part, {k: to_load["model"][k] for k in model_keys[i]})
+        if optimizers is not None:
+            how = [{k: group[k] for k in _IMPLEMENTATION if k in group} for group in optimizers[i].param_groups]
+            set_optimizer_state_dict(part, optimizers[i], {k: to_load["optim"][k] for k in optim_keys[i]},
+                                     options=_OPTIM)
+            for group, kept in zip(optimizers[i].param_groups, how):
+                group.update(kept)
+    saved = json.loads((path / LAYOUT_FILE).read_text())
+    rng_file = path / "rng" / f"rank_{rank():05d}.pt"
+    if optimizers is not None and restores_rng(saved, world(), layout) and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
     return json.loads((path / "state.json").read_text())

@@ -13,6 +13,7 @@ import torch
 
 from ember.config import Config, ConfigError, OptimConfig
 from ember.data.manifest import has_document_boundaries
+from ember.train import checkpoint
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -107,9 +108,7 @@ def check_resume_data(manifest: dict, saved_path: Path) -> None:
 def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None for a fresh run). A run directory that already
     holds a run is never restarted without --resume, and a resumed run must be the same run."""
-    from ember.train.checkpoint import latest_checkpoint
-
-    newest = latest_checkpoint(run_dir)
+    newest = checkpoint.latest(run_dir)
     if not resume:
         if newest is not None or (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out.")

@@ -18,22 +18,23 @@ from typing import Any
 
 import torch
 
-from ember.atomic import write_text_atomic as write_text
+from ember.atomic import write_text
 from ember.config import Config, ConfigError, parse_budget, parse_interval, to_toml
 from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
+from ember.layout import SCHEDULES, check_run
 from ember.device import PhaseTimer, autocast_dtype, device_name, device_peak_flops, pick_device
 from ember.model import Transformer
 from ember.parallel.engine import build_engine
-from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed, resolve_sizes
-from ember.parallel.validate import check_layout, check_world
-from ember.train import saving
+from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
+from ember.train import checkpoint
 from ember.train.breakdown import StepProfiler, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
 from ember.train.evaluation import Evaluator
 from ember.train.inputs import Inputs
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
+from ember.train.model_file import save_model
 from ember.train.policies import STOP, Every, Policy, StepResult, StopOnSignal
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, resolve
@@ -51,8 +52,7 @@ class Trainer:
         self.budget = parse_budget(cfg.train.budget)
         self.seq_len = int(self.manifest["seq_len"])
         self.world, self.rank, local_rank = env_world()
-        check_layout(cfg, self.world)
-        check_world(self.world, resume, saving.sharded_available())
+        self.parallel = check_run(cfg, self.world, self.seq_len)
         self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
         self.device = pick_device(cfg.train.device)
         if self.world > 1 and self.device.type == "cuda":
@@ -75,7 +75,7 @@ class Trainer:
         self.topo = Topology()
         if self.world > 1:
             init_distributed(self.device)
-            self.topo = Topology(self.world, self.rank, build_mesh(cfg.parallel, self.world, self.device.type))
+            self.topo = Topology(self.world, self.rank, build_mesh(self.parallel, self.device.type))
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = self._given_model if self._given_model is not None else Transformer(cfg.model)
         self.engine = build_engine(cfg, model.to(self.device), self.topo, self.device, self.amp_dtype,
@@ -125,7 +125,8 @@ class Trainer:
 
     def save(self, progress: Progress) -> None:
         state = {"progress": asdict(progress), "data": self.train_data.state_dict(), "budget": str(self.budget)}
-        saving.save(self, progress.step, state)
+        checkpoint.save(self.run_dir, progress.step, self.engine.parts, self.engine.optimizers, state,
+                        keep=self.cfg.train.keep_checkpoints, layout=self.layout())
 
     # ---- the run ----------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class Trainer:
         self.build()
         progress = Progress()
         if self.resume_from is not None:
-            state = saving.load(self, self.resume_from)
+            state = checkpoint.load(self.resume_from, self.engine.parts, self.engine.optimizers, self.layout())
             progress = Progress(**state["progress"])
             self.train_data.load_state_dict(state["data"])
         if self.topo.is_main:
@@ -163,8 +164,7 @@ class Trainer:
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
             lr = self.cfg.optim.lr * lr_factor(fraction, self.cfg.schedule)
-            # Whole micro-batches on every data-parallel rank, however the ramp rounds.
-            n = batch_size(fraction, self.cfg.schedule, t.global_batch, t.micro_batch * self.dp_size)
+            n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
             self.timer.enabled = (progress.step + 1) % t.log_every == 0
             self.profiler.enabled = self.timer.enabled and breakdown
@@ -195,6 +195,14 @@ class Trainer:
             self._log_eval(progress, log)
         self.save(progress)
         return "finished"
+
+    def _batch_unit(self) -> int:
+        """What a step's size must be a multiple of, however a batch ramp rounds: whole
+        micro-batches on every data-parallel rank, and a multiple of pp of them for the
+        schedules that run several stages per rank."""
+        lo = self.parallel
+        fill = lo.pp if lo.pp > 1 and SCHEDULES[lo.schedule][0] else 1
+        return lo.micro_batch * lo.dp * fill
 
     def _predicted_fraction(self, count: int, tokens: int) -> float:
         sparse = self.cfg.model.objective == "mlm" and self.cfg.model.sparse_prediction
@@ -229,7 +237,7 @@ class Trainer:
             "world_size": self.world, "peak_memory_gib": round(self.peak_memory_gib(), 3),
         }
         if status == "finished":
-            saving.save_model(self, self.run_dir / "model.safetensors")
+            save_model(self.engine.parts, self.run_dir / "model.safetensors")
         if self.topo.is_main:
             write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
@@ -237,7 +245,7 @@ class Trainer:
     def layout(self) -> dict[str, int]:
         """The parallel degrees that decide which rank draws which random numbers; a
         checkpoint restores RNG streams only into the same degrees."""
-        return {**resolve_sizes(self.cfg.parallel, self.world), "vpp": self.cfg.parallel.vpp}
+        return {**self.parallel.sizes, "vpp": self.parallel.vpp}
 
     def peak_memory_gib(self) -> float:
         """Peak memory of this rank: allocated GPU memory on CUDA, the process's resident

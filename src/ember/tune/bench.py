@@ -57,24 +57,14 @@ def measure(trainer, steps: int, warmup: int) -> dict:
     return out
 
 
-def planner_layout(parallel, micro_batch: int, world: int):
-    """The run's [parallel] section as the planner's Layout."""
-    from ember.parallel.mesh import resolve_sizes
-    from ember.plan.layout import Layout
-
-    shard = resolve_sizes(parallel, world)["dp_shard"]
-    return Layout(tp=parallel.tp, pp=parallel.pp, dp_shard=shard, dp_replicate=parallel.dp_replicate,
-                  zero=parallel.zero, sp=parallel.sp, vpp=parallel.vpp, schedule=parallel.schedule,
-                  mbs=micro_batch, recompute=parallel.recompute, recompute_every=parallel.recompute_every)
-
-
 def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> dict | None:
     """`ember plan`'s prediction for this very run: with a profile (`ember plan calibrate`),
     or on a GPU the planner's table knows; None otherwise."""
     import os
 
-    from ember.plan.cluster import make_cluster
     from ember.hardware import find_gpu
+    from ember.layout import Layout
+    from ember.plan.cluster import make_cluster
     from ember.plan.memory import GIB
     from ember.plan.predict import predict
     from ember.tune.trials import plan_inputs
@@ -89,7 +79,7 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = make_cluster(gpu, world, gpus_per_node=per_node, profile=profile)
     model, shape = plan_inputs(cfg, manifest, "run")
-    p = predict(model, cluster, shape, planner_layout(cfg.parallel, cfg.train.micro_batch, world))
+    p = predict(model, cluster, shape, Layout.from_config(cfg, world))
     comm = sum(p.shares[k] for k in ("tp_comm", "pp_comm", "dp_comm"))
     return {"source": profile or gpu, "step_s": p.step_time_s, "tokens_per_s": p.tokens_per_s_per_gpu * world,
             "memory_gib": p.memory.total / GIB, "exposed_comm_share": comm, "bubble_share": p.shares["bubble"]}

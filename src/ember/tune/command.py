@@ -51,8 +51,7 @@ def plan_trials(args):
     from ember.config import load_config
     from ember.data import load_manifest
     from ember.plan.search import search
-    from ember.tune.trials import Trial, local_cluster, parallel_trainer, plan_inputs, select, trial_command, \
-        trial_settings
+    from ember.tune.trials import Trial, local_cluster, plan_inputs, select, trial_command
 
     _check_args(args)
     config = load_config(args.config, args.set)
@@ -65,16 +64,15 @@ def plan_trials(args):
         raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per process on "
                           f"{args.nproc}; the leanest ({leanest.layout.text()}) needs "
                           f"{leanest.memory.total / 2**30:.1f} GiB.")
-    parallel = parallel_trainer()
-    chosen, passed = select(result.ranked, args.top, parallel)
+    chosen, passed = select(result.ranked, args.top, config, args.nproc, shape.seq_len)
     if not chosen:
-        raise ConfigError(f"all {len(result.ranked)} layouts that fit need the parallel trainer "
-                          "([parallel] section), which this ember does not have yet.")
+        raise ConfigError(f"none of the {len(result.ranked)} layouts that fit can train this recipe "
+                          f"(e.g. {result.ranked[0].layout.text()}); check its [parallel]-related settings.")
     out = Path(args.out)
     trials = []
     for i, prediction in enumerate(chosen, 1):
         run_dir = out / f"trial-{i}"
-        settings = trial_settings(prediction.layout, shape, parallel)
+        settings = prediction.layout.settings(shape.global_batch)
         command = trial_command(args.config, args.data, run_dir, args.nproc, args.steps, settings, args.set)
         trials.append(Trial(i, prediction, command, run_dir, settings))
     return config, cluster, model, shape, result, trials, passed
@@ -84,12 +82,13 @@ def run_tune(args) -> int:
     import torch
 
     from ember.plan.report import print_text
-    from ember.tune.trials import best_recipe, run_trial, write_atomic
+    from ember.atomic import write_text
+    from ember.tune.trials import best_recipe, run_trial
 
     config, cluster, model, shape, result, trials, passed = plan_trials(args)
     out = Path(args.out)
     console = Console() if Console().is_terminal else Console(width=140)
-    skipped = f" ({passed} better-ranked need the parallel trainer and were passed over)" if passed else ""
+    skipped = f" ({passed} better-ranked cannot train this recipe and were passed over)" if passed else ""
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
                         f"{len(result.ranked):,} of {result.considered:,} layouts fit; "
                         f"trying the top {len(trials)}{skipped}")
@@ -113,12 +112,12 @@ def run_tune(args) -> int:
               "passed_over": passed, "trials": [t.to_dict(cluster.n_gpus) for t in trials], "best": None}
     if finished:
         best = finished[0]
-        write_atomic(out / "best.toml", f"# ember tune: {best.prediction.layout.text()}, "
+        write_text(out / "best.toml", f"# ember tune: {best.prediction.layout.text()}, "
                      f"{best.tokens_per_s:,.0f} tokens/s measured on {cluster.describe()}\n"
                      + best_recipe(args.config, args.set, best.settings))
         report["best"] = {"trial": best.index, "layout": best.prediction.layout.text(),
                           "recipe": str(out / "best.toml")}
-    write_atomic(out / "tune.json", json.dumps(report, indent=2) + "\n")
+    write_text(out / "tune.json", json.dumps(report, indent=2) + "\n")
     if not finished:
         print_text(console, f"no trial finished; see the logs in {out} (wrote {out / 'tune.json'})")
         return 1

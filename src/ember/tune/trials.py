@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config import Config, ConfigError, load_config, to_toml
+from ember.layout import run_problems
 from ember.plan.cluster import Cluster, make_cluster
-from ember.plan.layout import Layout, TrainShape
+from ember.plan.layout import TrainShape
 from ember.plan.models import ModelSpec, from_config
 from ember.plan.predict import Prediction
 
@@ -34,18 +35,6 @@ GIB = 2**30
 # Keys every trial sets so that it measures steps, not evaluation or checkpoints.
 TRIAL_SETTINGS = {"train.log_every": 1, "train.eval_every": "1000000steps", "train.eval_batches": 1,
                   "train.checkpoint_every": "1000000steps", "train.breakdown": "off"}
-
-
-def parallel_trainer() -> bool:
-    """Whether this ember's trainer takes a [parallel] section."""
-    import ember.config
-
-    return hasattr(ember.config, "ParallelConfig")
-
-
-def needs_parallel_trainer(layout: Layout) -> bool:
-    """A layout a single-process trainer cannot run: more than one process, or checkpointing."""
-    return layout.gpus > 1 or layout.recompute != "none"
 
 
 def plan_inputs(config: Config, manifest: dict, name: str) -> tuple[ModelSpec, TrainShape]:
@@ -81,29 +70,20 @@ def local_cluster(nproc: int, profile: str | Path | None) -> Cluster:
     return make_cluster(gpu.name, nproc, gpus_per_node=nproc)
 
 
-def select(ranked: list[Prediction], top: int, parallel: bool) -> tuple[list[Prediction], int]:
-    """The first `top` fitting layouts this trainer can run, and how many better-ranked ones
-    it had to pass over because they need the parallel trainer."""
+def select(ranked: list[Prediction], top: int, config: Config, nproc: int,
+           seq_len: int) -> tuple[list[Prediction], int]:
+    """The first `top` fitting layouts the recipe can train on `nproc` processes (the
+    trainer's own rules, with the recipe's compile, document mask and batch ramp), and how
+    many better-ranked ones were passed over because it cannot."""
     chosen, passed = [], 0
     for prediction in ranked:
         if len(chosen) == top:
             break
-        if not parallel and needs_parallel_trainer(prediction.layout):
+        if run_problems(prediction.layout, config, nproc, seq_len):
             passed += 1
             continue
         chosen.append(prediction)
     return chosen, passed
-
-
-def trial_settings(layout: Layout, shape: TrainShape, parallel: bool) -> dict[str, object]:
-    """The --set keys of one trial: the layout's, without parallel.* where the trainer has
-    no [parallel] section (the layout then runs in one plain process)."""
-    settings = layout.settings(shape)
-    if not parallel:
-        if needs_parallel_trainer(layout):
-            raise ConfigError(f"layout {layout.text()} needs the parallel trainer, which this ember lacks.")
-        settings = {k: v for k, v in settings.items() if not k.startswith("parallel.")}
-    return settings
 
 
 def trial_command(config: str | Path, data: str | Path, run_dir: Path, nproc: int, steps: int,
@@ -272,7 +252,4 @@ def best_recipe(config_path: str | Path, overrides: list[str], settings: dict[st
     return to_toml(config)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+

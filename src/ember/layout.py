@@ -1,0 +1,250 @@
+"""A parallel layout, and every rule it must obey, in one place for the trainer and the
+planner alike.
+
+`Layout` is the `[parallel]` section resolved for a world size (dp_shard=-1 becomes the
+rest of the world), plus the micro-batch. `problems` returns everything wrong with a
+layout for a model, a global batch and a world size, each as one sentence that says what
+to change; `ember train`, `ember plan`, `ember tune` and `ember bench` all ask it, so a
+rule added here holds everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch.distributed import pipelining
+
+from ember.config import Config, ConfigError
+
+# schedule -> (several stages per rank, stage placement, class in torch.distributed.pipelining).
+# "loop": rank r holds stages r, r + pp, ...; "v": rank r holds stages r and 2pp - 1 - r.
+SCHEDULES: dict[str, tuple[bool, str, str]] = {
+    "gpipe": (False, "loop", "ScheduleGPipe"),
+    "1f1b": (False, "loop", "Schedule1F1B"),
+    "interleaved": (True, "loop", "ScheduleInterleaved1F1B"),
+    "zero_bubble": (True, "loop", "ScheduleInterleavedZeroBubble"),
+    "zbv": (True, "v", "ScheduleZBVZeroBubble"),
+}
+ZERO_BUBBLE = ("zero_bubble", "zbv")  # they split backward in two, which compiled stages cannot
+RECOMPUTE = ("none", "selective", "full")
+
+
+def available_schedules() -> list[str]:
+    return [name for name, (_, _, cls) in SCHEDULES.items() if hasattr(pipelining, cls)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    zero: int = 0
+    sp: bool = False
+    vpp: int = 1
+    schedule: str = "1f1b"
+    micro_batch: int = 1
+    recompute: str = "none"
+    recompute_every: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: int) -> "Layout":
+        """The run's [parallel] section and micro-batch on `world` processes."""
+        p = cfg.parallel
+        rest = world // max(1, p.pp * p.dp_replicate * p.tp)
+        shard = p.dp_shard if p.dp_shard != -1 else max(1, rest)
+        return cls(tp=p.tp, pp=p.pp, dp_shard=shard, dp_replicate=p.dp_replicate, zero=p.zero, sp=p.sp,
+                   vpp=p.vpp, schedule=p.schedule, micro_batch=cfg.train.micro_batch, recompute=p.recompute,
+                   recompute_every=p.recompute_every)
+
+    def settings(self, global_batch: int) -> dict[str, object]:
+        """The config keys of this layout (`--set key=value` for `ember train`)."""
+        keys = {f"parallel.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "micro_batch"}
+        keys["parallel.sp"] = str(self.sp).lower()
+        return keys | {"train.micro_batch": self.micro_batch, "train.global_batch": global_batch}
+
+    @property
+    def dp(self) -> int:
+        return self.dp_shard * self.dp_replicate
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Device-mesh sizes by dim name."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches each pipeline runs per step (the gradient-accumulation count)."""
+        return global_batch // (self.dp * self.micro_batch)
+
+    def recomputed_fraction(self, layers: int) -> float:
+        """The share of the layers the policy covers: layers 0, k, 2k, ... as the trainer picks."""
+        if self.recompute == "none":
+            return 0.0
+        return -(-layers // self.recompute_every) / layers
+
+    def text(self) -> str:
+        """The `ember plan --layout` form (the micro-batch is `mbs` there)."""
+        parts = [f"tp={self.tp}"] + (["sp=1"] if self.sp else []) + [f"pp={self.pp}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}")
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        parts.append(f"dp={self.dp}")
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+            if self.dp_replicate > 1:
+                parts.append(f"dp_shard={self.dp_shard}")
+        parts += [f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
+        if self.recompute != "none" and self.recompute_every > 1:
+            parts.append(f"recompute_every={self.recompute_every}")
+        return ",".join(parts)
+
+
+def problems(layout: Layout, model, global_batch: int, world: int | None = None, *, batch_start: int = 0,
+             seq_len: int | None = None, compile: bool = False, document_mask: bool = False,
+             ember: bool = True) -> list[str]:
+    """Everything that keeps `layout` from training `model` (a ModelConfig or the planner's
+    ModelSpec) at `global_batch` sequences per step on `world` processes (None: any), one
+    sentence each. `ember=False` leaves out what only ember's trainer refuses, so the planner
+    can price layouts other frameworks run."""
+    lo, out = layout, []
+    if world is not None and lo.gpus != world:
+        out.append(f"the layout pp x dp_replicate x dp_shard x tp = {lo.pp} x {lo.dp_replicate} x {lo.dp_shard} x "
+                   f"{lo.tp} = {lo.gpus} must equal the world size {world} (processes started by torchrun)")
+    rows = lo.dp * lo.micro_batch
+    if global_batch % rows:
+        out.append(f"train.global_batch ({global_batch}) must be a multiple of data-parallel ranks x "
+                   f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows})")
+    if batch_start and batch_start < rows:
+        out.append(f"schedule.batch_start ({batch_start}) must be at least data-parallel ranks x train.micro_batch "
+                   f"({rows}), the smallest step every rank can share")
+    if lo.zero > 0 and lo.dp_shard == 1:
+        out.append(f"parallel.zero={lo.zero} shards model states over parallel.dp_shard ranks, and dp_shard is 1, "
+                   f"so it would save nothing; use parallel.zero=0 or a dp_shard above 1")
+    if ember and lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1):
+        # DDP takes neither DTensor parameters nor several forwards before a backward.
+        out.append("data parallelism combined with tensor or pipeline parallelism goes through FSDP2, not DDP; set "
+                   "parallel.zero=1 (or 2, 3) when parallel.tp or parallel.pp is above 1 with several "
+                   "data-parallel ranks")
+    if lo.recompute not in RECOMPUTE:
+        out.append(f"parallel.recompute must be one of {', '.join(RECOMPUTE)}, not {lo.recompute!r}")
+    out += _tensor_problems(lo, model)
+    if lo.sp and lo.tp > 1 and seq_len is not None and seq_len % lo.tp:
+        out.append(f"sequence parallelism splits each sequence over the tensor-parallel ranks, so the data's "
+                   f"sequence length ({seq_len}) must be divisible by parallel.tp ({lo.tp})")
+    out += _pipeline_problems(lo, model, global_batch, batch_start, compile, ember)
+    if lo.pp > 1 and document_mask:
+        # Later stages receive only the previous stage's activations, never the document ids.
+        out.append("data.document_mask=true is not supported with pipeline parallelism (parallel.pp > 1): later "
+                   "stages never see the document ids; use data or tensor parallelism instead")
+    return out
+
+
+def _tensor_problems(lo: Layout, model) -> list[str]:
+    if lo.sp and lo.tp == 1:
+        return ["parallel.sp (sequence parallel) splits the work of tensor parallelism, so it needs parallel.tp > 1"]
+    if lo.tp == 1:
+        return []
+    out = []
+    kv_heads = getattr(model, "kv_heads", 0) or model.heads
+    if model.heads % lo.tp or kv_heads % lo.tp:
+        out.append(f"model.heads ({model.heads}" + (f", {kv_heads} key/value heads" if kv_heads != model.heads else "")
+                   + f") must be divisible by parallel.tp ({lo.tp}): each tensor-parallel rank computes whole "
+                   f"attention heads")
+    for name in ("hidden", "mlp_hidden"):
+        if getattr(model, name) % lo.tp:
+            out.append(f"model.{name} ({getattr(model, name)}) must be divisible by parallel.tp ({lo.tp})")
+    multiple = model.vocab_multiple
+    if model.vocab_size <= 0 and multiple % lo.tp:  # not known yet: only a multiple of tp is sure to split
+        out.append(f"model.vocab_multiple ({multiple}) must be a multiple of parallel.tp ({lo.tp}): the vocabulary "
+                   f"is padded up to a multiple of it and split over the tensor-parallel ranks")
+    padded = -(-model.vocab_size // multiple) * multiple
+    if model.vocab_size > 0 and padded % lo.tp:
+        out.append(f"the padded vocabulary ({padded}) must be divisible by parallel.tp ({lo.tp}) to split the "
+                   f"embedding and output layer; set model.vocab_multiple (now {multiple}) to a multiple of {lo.tp}")
+    return out
+
+
+def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, compile: bool,
+                       ember: bool) -> list[str]:
+    if lo.schedule not in SCHEDULES:
+        return [f"parallel.schedule={lo.schedule!r} is not one of {', '.join(SCHEDULES)}"]
+    multi = SCHEDULES[lo.schedule][0]
+    out = []
+    if lo.vpp > 1 and lo.pp == 1:
+        out.append("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1")
+    if lo.pp == 1:
+        return out
+    if lo.schedule not in available_schedules():
+        out.append(f"parallel.schedule={lo.schedule!r} is not in this PyTorch; choose one of "
+                   f"{', '.join(available_schedules())}")
+    if lo.vpp > 1 and not multi:
+        out.append(f"parallel.vpp={lo.vpp} (virtual stages) needs parallel.schedule=interleaved (or a zero-bubble "
+                   f"schedule), not {lo.schedule!r}")
+    if multi and lo.vpp < 2:
+        out.append(f"parallel.schedule={lo.schedule!r} runs several stages per rank, so it needs parallel.vpp >= 2")
+    if lo.schedule == "zbv" and lo.vpp != 2:
+        out.append(f"parallel.schedule='zbv' places exactly two stages per rank; set parallel.vpp=2 (got {lo.vpp})")
+    if model.layers % (lo.pp * lo.vpp):
+        out.append(f"model.layers ({model.layers}) must be divisible by parallel.pp x parallel.vpp "
+                   f"({lo.pp} x {lo.vpp} = {lo.pp * lo.vpp}) so that every stage holds the same number of blocks")
+    if compile and lo.schedule in ZERO_BUBBLE:
+        out.append(f"parallel.schedule={lo.schedule!r} cannot run compiled stages (PyTorch splits their backward "
+                   f"into input and weight gradients); set train.compile=false or use schedule 'interleaved'")
+    rows = lo.dp * lo.micro_batch
+    for batch in sorted({global_batch, batch_start or global_batch}):
+        if batch % rows == 0:
+            out += micro_batch_problems(batch // rows, lo.pp, lo.schedule, ember)
+    return out
+
+
+def micro_batch_problems(micro_batches: int, pp: int, schedule: str, ember: bool = True) -> list[str]:
+    """The micro-batches of one step must fill the pipeline: the multi-stage schedules need a
+    multiple of pp of them, and PyTorch's 1F1B, interleaved and zero-bubble schedules at
+    least pp (Megatron-LM runs 1F1B with fewer)."""
+    if schedule == "gpipe" or pp == 1:
+        return []
+    if micro_batches < pp and (ember or SCHEDULES[schedule][0]):
+        return [f"parallel.schedule={schedule!r} needs at least parallel.pp={pp} micro-batches per step and "
+                f"data-parallel rank, got {micro_batches}; raise train.global_batch or lower train.micro_batch "
+                f"(or use schedule 'gpipe')"]
+    if SCHEDULES[schedule][0] and micro_batches % pp:
+        return [f"parallel.schedule={schedule!r} needs the micro-batches per step and data-parallel rank "
+                f"({micro_batches}) to be a multiple of parallel.pp={pp}; change train.global_batch or "
+                f"train.micro_batch"]
+    return []
+
+
+def check(layout: Layout, model, global_batch: int, world: int | None = None, **options) -> None:
+    """Raise ConfigError with the first of `problems`, as one sentence."""
+    found = problems(layout, model, global_batch, world, **options)
+    if found:
+        raise ConfigError(found[0] + ".")
+
+
+def run_problems(layout: Layout, cfg: Config, world: int, seq_len: int | None = None) -> list[str]:
+    """`problems` of `layout` for the run `cfg` describes (its model, batch, ramp, compile
+    and document mask) on `world` processes of sequences of `seq_len` tokens."""
+    return problems(layout, cfg.model, cfg.train.global_batch, world, batch_start=cfg.schedule.batch_start,
+                    seq_len=seq_len, compile=cfg.train.compile, document_mask=cfg.data.document_mask)
+
+
+def check_run(cfg: Config, world: int, seq_len: int | None = None) -> Layout:
+    """The run's layout on `world` processes, refused in one sentence if it cannot train."""
+    p = cfg.parallel
+    fixed = p.pp * p.dp_replicate * p.tp
+    if p.dp_shard == -1 and world % fixed:
+        raise ConfigError(
+            f"parallel.pp x dp_replicate x tp = {p.pp} x {p.dp_replicate} x {p.tp} = {fixed} does not divide "
+            f"the world size {world}, so parallel.dp_shard=-1 cannot take the rest; change the degrees or the "
+            f"number of processes.")
+    layout = Layout.from_config(cfg, world)
+    found = run_problems(layout, cfg, world, seq_len)
+    if found:
+        raise ConfigError(found[0] + ".")
+    return layout
