@@ -60,7 +60,7 @@ def loader_tokens_per_s(data_dir: Path, recipe: str, seconds: float) -> tuple[fl
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         first_row = data.position
-        _, labels = make_targets(data.next(batch), cfg.model.objective, cfg.data, m["special_tokens"],
+        _, labels = make_targets(data.next(batch).ids, cfg.model.objective, cfg.data, m["special_tokens"],
                                       m["vocab_size"], cfg.data.seed, first_row)
         int((labels != -100).sum())  # the trainer counts targets on the host too
         steps += 1

@@ -133,7 +133,7 @@ def side_loader(data_dir: Path, batch: int, steps: int) -> dict:
         data.next(batch)  # warm the page cache
         start = time.perf_counter()
         for step in range(steps):
-            ids = data.next(batch)
+            ids = data.next(batch).ids
             make_targets(ids, objective, DataConfig(), m["special_tokens"], m["vocab_size"], 0, step * batch)
         out[f"{objective}_tokens_per_s"] = steps * batch * int(m["seq_len"]) / (time.perf_counter() - start)
     return out

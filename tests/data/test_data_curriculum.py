@@ -105,7 +105,7 @@ EXPECTED = sorted(range(len(KEYS)), key=lambda i: (KEYS[i], i))  # ascending key
 
 
 def _ids(batch) -> list[int]:
-    return batch[:, 0].tolist()
+    return batch.ids[:, 0].tolist()
 
 
 def test_first_epoch_in_key_order_later_epochs_shuffled(tmp_path):
@@ -143,7 +143,7 @@ def test_curriculum_order_without_keys_is_one_sentence(tmp_path):
     with pytest.raises(DataError, match=r"prepared without a curriculum key; prepare it again with "
                                         r"--curriculum sentence-length or set data.order = \"shuffle\"\.$"):
         Batches(tmp_path, m, order="curriculum")
-    assert len(Batches(tmp_path, m).next(11)) == 11  # shuffling needs no keys
+    assert len(Batches(tmp_path, m).next(11).ids) == 11  # shuffling needs no keys
 
 
 def test_keys_of_another_length_are_refused(tmp_path):
@@ -165,7 +165,7 @@ def test_the_trainer_reads_rows_in_key_order(long_then_short, tmp_path):
     cfg = load_config(REPO / "configs/tiny-gpt.toml", [*TINY, "data.order=curriculum"])
     trainer = Trainer(cfg, data, tmp_path / "run", progress=False)
     trainer.build()
-    rows = trainer.train_data.next(len(keys)).numpy()
+    rows = trainer.train_data.next(len(keys)).ids.numpy()
     shards = np.concatenate([np.load(data / s["file"]) for s in load_manifest(data)["splits"]["train"]["shards"]])
     assert (rows == shards[np.argsort(keys, kind="stable")]).all()
     assert not (rows == shards).all()

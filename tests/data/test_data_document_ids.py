@@ -37,12 +37,12 @@ def test_ids_follow_the_separators_in_every_order(tmp_path):
     assert len(docs) == 7
     for n in (4, 4, 7, 3):  # crosses shards and an epoch
         rows, ids = docs.next(n)
-        assert torch.equal(rows, plain.next(n))  # the same rows and position as without ids
+        assert torch.equal(rows, plain.next(n).ids)  # the same rows and position as without ids
         assert ids.shape == rows.shape and not ids.is_floating_point()
         assert torch.equal(ids.long(), _expected(rows))
     assert docs.state_dict() == plain.state_dict()
     rows, ids = docs.fixed(7)
-    assert torch.equal(rows, plain.fixed(7))
+    assert torch.equal(rows, plain.fixed(7).ids)
     # In file order: the first row holds documents 0 (3 + sep) and 1 (its first 4 tokens).
     assert ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert ids[1].tolist() == [0] * 8  # document 1 continues from the previous row

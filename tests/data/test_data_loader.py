@@ -24,7 +24,9 @@ def _data(tmp_path: Path, sizes=(7, 5, 11)) -> dict:
                                        "val": {"sequences": 0, "shards": []}}}
 
 
-def _ids(batch: torch.Tensor) -> list[int]:
+def _ids(batch) -> list[int]:
+    assert batch.documents is None
+    batch = batch.ids
     assert batch.dtype == torch.int64 and batch.shape[1] == SEQ
     assert (batch == batch[:, :1]).all()
     return batch[:, 0].tolist()
@@ -103,7 +105,7 @@ def test_fixed_is_the_first_sequences_in_file_order(tmp_path):
     assert _ids(b.fixed(9)) == list(range(9))  # spans two shards, ignores the position
     assert _ids(b.fixed(100)) == list(range(23))
     empty = Batches(tmp_path, m, split="val")
-    assert empty.fixed(4).shape == (0, SEQ)
+    assert empty.fixed(4).ids.shape == (0, SEQ)
     with pytest.raises(DataError, match="no sequences"):
         empty.next(4)
     with pytest.raises(DataError, match="no 'test' split"):

@@ -24,7 +24,7 @@ def test_same_seed_same_weights_other_seed_other_weights():
     a, b, c = build(cfg(), 3), build(cfg(), 3), build(cfg(), 4)
     for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
         assert torch.equal(x, y), name
-    assert not torch.equal(a.blocks[0].attn.q_proj.weight, c.blocks[0].attn.q_proj.weight)
+    assert not torch.equal(a.blocks["0"].attn.q_proj.weight, c.blocks["0"].attn.q_proj.weight)
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -33,7 +33,7 @@ def test_standard_deviations(scaled):
     residual = 0.02 / math.sqrt(2 * 8) if scaled else 0.02  # 0.005 with 8 layers
     # Pool each kind of weight over the layers: ~65k-260k samples, so 5% is many sigmas.
     def pooled(get):
-        return torch.cat([get(block).flatten() for block in model.blocks])
+        return torch.cat([get(block).flatten() for block in model.blocks.values()])
 
     for get, std in [
         (lambda b: b.attn.q_proj.weight, 0.02), (lambda b: b.attn.v_proj.weight, 0.02),

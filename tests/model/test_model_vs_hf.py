@@ -38,7 +38,7 @@ def test_llama_style_matches_transformers_llama():
         attn_implementation="eager"))
     state = {"model.embed_tokens.weight": ours.embed.weight, "model.norm.weight": ours.norm.weight,
              "lm_head.weight": ours.head.weight}
-    for i, block in enumerate(ours.blocks):
+    for i, block in enumerate(ours.blocks.values()):
         p = f"model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             state[p + f"self_attn.{name}.weight"] = getattr(block.attn, name).weight
@@ -66,7 +66,7 @@ def test_gpt2_style_matches_transformers_gpt2():
         layer_norm_epsilon=cfg.norm_eps, attn_implementation="eager"))
     state = {"transformer.wte.weight": ours.embed.weight, "transformer.wpe.weight": ours.pos_embed.weight,
              "transformer.ln_f.weight": ours.norm.weight, "transformer.ln_f.bias": ours.norm.bias}
-    for i, block in enumerate(ours.blocks):
+    for i, block in enumerate(ours.blocks.values()):
         p, attn, mlp = f"transformer.h.{i}.", block.attn, block.mlp
         # GPT-2's Conv1D stores weights as [in, out]; its c_attn fuses q, k, v.
         state[p + "attn.c_attn.weight"] = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).T

@@ -59,7 +59,7 @@ def test_model_uses_config_theta_and_rotates_queries_and_keys():
     cfg = ModelConfig(vocab_size=50, hidden=32, layers=1, heads=2, mlp_hidden=64, max_seq_len=16,
                       positions="rotary", rope_theta=1234.0)
     model = Transformer(cfg)
-    rotary = model.blocks[0].attn.rotary
+    rotary = model.blocks["0"].attn.rotary
     expected = Rotary(16, 16, 1234.0)
     torch.testing.assert_close(rotary.cos, expected.cos)
     torch.testing.assert_close(rotary.sin, expected.sin)

@@ -48,8 +48,8 @@ def test_shapes_loss_and_gradients(objective, activation, norm, positions):
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
     # Norm types and MLP layout are what the config says.
     norm_type = torch.nn.RMSNorm if norm == "rmsnorm" else torch.nn.LayerNorm
-    assert isinstance(model.norm, norm_type) and isinstance(model.blocks[0].attn_norm, norm_type)
-    assert (model.blocks[0].mlp.gate is None) == (activation == "gelu")
+    assert isinstance(model.norm, norm_type) and isinstance(model.blocks["0"].attn_norm, norm_type)
+    assert (model.blocks["0"].mlp.gate is None) == (activation == "gelu")
 
 
 def test_bias_adds_exactly_the_expected_parameters():

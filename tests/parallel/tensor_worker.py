@@ -109,7 +109,7 @@ class Stage(nn.Module):
         self.cfg, self.first, self.last = model.cfg, first, last
         if first:
             self.embed, self.pos_embed, self.drop = model.embed, model.pos_embed, model.drop
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
         if last:
             self.norm, self.head = model.norm, model.head
 
@@ -172,7 +172,7 @@ def main(out_path: str) -> None:
             apply_tensor_parallel(model, mesh, sequence_parallel=sp)
             tied = model.head.weight is model.embed.weight
             seen = []  # the tokens per sequence a norm inside a block works on
-            model.blocks[1].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+            model.blocks["1"].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
             record = compare(ref, train(model, data, whole_model_step(model)))
             record["tied"] = tied == cfg.tie_embeddings
             record["norm_tokens"] = seen[0]
@@ -205,10 +205,10 @@ def main(out_path: str) -> None:
     model = copy.deepcopy(reference)
     ref = train(reference, data, whole_model_step(reference))
     apply_tensor_parallel(model, mesh, sequence_parallel=True)
-    for block in model.blocks:
+    for block in model.blocks.values():
         block.compile(backend="aot_eager")
     seen = []
-    model.blocks[0].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    model.blocks["0"].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
     record = compare(ref, train(model, data, whole_model_step(model)))
     record["tied"], record["norm_tokens"] = model.head.weight is model.embed.weight, seen[0]
     records["compiled-causal-rotary-swiglu-tied/tp2+sp"] = record

@@ -46,7 +46,7 @@ def test_recompute_checkpoints_the_blocks_it_names():
     for mode, chosen in (("full", [0, 1, 2, 3]), ("selective", [0, 1, 2, 3]), ("none", [])):
         model = Transformer(cfg.model)
         apply_recompute(model, mode)
-        assert [i for i, b in enumerate(model.blocks) if "forward" in vars(b)] == chosen
+        assert [i for i, b in enumerate(model.blocks.values()) if "forward" in vars(b)] == chosen
         assert [n for n, _ in model.named_parameters()] == names
 
 

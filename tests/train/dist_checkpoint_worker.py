@@ -75,7 +75,7 @@ class Part(nn.Module):
         super().__init__()
         if embed:
             self.embed, self.pos_embed = model.embed, model.pos_embed
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
         if head:
             self.norm, self.head = model.norm, model.head
 
@@ -135,7 +135,7 @@ def fsdp(mesh) -> tuple[nn.Module, list]:
     from torch.distributed.fsdp import fully_shard
 
     model = plain_model()
-    for block in model.blocks:
+    for block in model.blocks.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     return model, [adamw(model)]
@@ -154,7 +154,7 @@ def tensor_parallel(mesh) -> tuple[nn.Module, list]:
     model = plain_model()
     plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
             "attn.o_proj": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-    for block in model.blocks:
+    for block in model.blocks.values():
         parallelize_module(block, mesh, plan)
     return model, [adamw(model)]
 

@@ -18,6 +18,7 @@ still identifies every row, and resume and rank slicing are unchanged.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,14 @@ import torch
 from ember.data.errors import DataError
 
 ORDERS = ("shuffle", "curriculum")
+
+
+class Batch(NamedTuple):
+    """Token rows [rows, seq_len], and with `Batches(documents=True)` each token's document
+    id within its row (None otherwise)."""
+
+    ids: torch.Tensor
+    documents: torch.Tensor | None
 
 
 class Batches:
@@ -76,7 +85,7 @@ class Batches:
             out[where] = self._order(int(epoch))[offsets[where]]
         return out
 
-    def _gather(self, indices: np.ndarray) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, indices: np.ndarray) -> "Batch":
         """Rows at `indices` (and their document ids), read in ascending order per shard
         for memmap locality."""
         out = np.empty((len(indices), self.seq_len), dtype=np.int64)
@@ -91,12 +100,12 @@ class Batches:
             if begins is not None:
                 begins[order[where]] = self._begins(shard, local)
         if begins is None:
-            return torch.from_numpy(out)
+            return Batch(torch.from_numpy(out), None)
         # A document's id is the number of starts before it in the row; a row that begins
         # mid-document numbers that one 0 as well.
         ids = np.cumsum(begins, axis=1, dtype=np.int32)
         ids -= ids[:, :1]
-        return torch.from_numpy(out), torch.from_numpy(ids)
+        return Batch(torch.from_numpy(out), torch.from_numpy(ids))
 
     def _begins(self, shard: int, rows: np.ndarray) -> np.ndarray:
         """[len(rows), seq_len] booleans, True where a document starts in those rows."""
@@ -109,9 +118,8 @@ class Batches:
         out[row_of, starts[np.repeat(first, counts) + offsets]] = True
         return out
 
-    def next(self, global_n: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """This rank's share, (global_n // world, seq_len), of the next global batch; with
-        `documents`, (rows, document ids) of that shape."""
+    def next(self, global_n: int) -> "Batch":
+        """This rank's share, (global_n // world, seq_len), of the next global batch."""
         if global_n < 1 or global_n % self.world:
             raise ValueError(f"global batch {global_n} must be a positive multiple of world size {self.world}.")
         if self.size == 0:
@@ -121,9 +129,8 @@ class Batches:
         self.position += global_n
         return rows
 
-    def fixed(self, n: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The first `n` sequences in file order (all if fewer): a fixed evaluation set
-        (with `documents`, and their document ids)."""
+    def fixed(self, n: int) -> "Batch":
+        """The first `n` sequences in file order (all if fewer): a fixed evaluation set."""
         n = min(n, self.size)
         return self._gather(np.arange(n, dtype=np.int64))
 

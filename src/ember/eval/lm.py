@@ -59,8 +59,8 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
     val = Batches(data_dir, manifest, "val", seed=cfg.data.seed, documents=cfg.data.document_mask)
     if len(val) == 0:
         raise DataError(f"the data in {data_dir} has no held-out sequences; prepare it with --val-fraction > 0.")
-    ids = val.fixed(len(val) if batches is None else batches * batch_size)
-    ids, docs = ids if isinstance(ids, tuple) else (ids, None)  # the run's attention: per document or not
+    # The run's attention: per document (docs) or not (None).
+    ids, docs = val.fixed(len(val) if batches is None else batches * batch_size)
     dev = pick_device(device)
     amp_dtype = autocast_dtype(cfg.train.precision, dev)
     model = run.build_model(device=dev).eval()

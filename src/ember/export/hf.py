@@ -74,7 +74,7 @@ def llama(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tens
         state["lm_head.weight"] = model.head.weight
     names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
              "o_proj": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.blocks.values()):
         p = f"model.layers.{i}."
         for ours, theirs in names.items():
             layer = getattr(block.attn if ours.endswith("proj") else block.mlp, ours)
@@ -106,7 +106,7 @@ def gpt2(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tenso
              "transformer.ln_f.weight": model.norm.weight, "transformer.ln_f.bias": bias(model.norm)}
     if not m.tie_embeddings:
         state["lm_head.weight"] = model.head.weight
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(model.blocks.values()):
         p, attn, mlp = f"transformer.h.{i}.", block.attn, block.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         state[p + "attn.c_attn.weight"] = torch.cat([x.weight for x in qkv]).T

@@ -18,7 +18,10 @@ IGNORE = -100  # label of positions that predict nothing (the data side's conven
 
 class Transformer(nn.Module):
     """Attributes are the targets of parallelism plans applied from outside: `embed`,
-    `pos_embed` (learned positions only), `blocks` (an nn.ModuleList), `norm`, `head`."""
+    `pos_embed` (learned positions only), `blocks` (an nn.ModuleDict keyed by the layer
+    index, "0", "1", ...), `norm`, `head`. A pipeline stage is this model with the parts it
+    does not hold deleted (set to None, blocks removed): the forward skips what is missing,
+    so a stage keeps the whole model's parameter names and computes exactly its share."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -33,7 +36,7 @@ class Transformer(nn.Module):
         else:
             self.pos_table = None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
         if cfg.tie_embeddings:
@@ -58,7 +61,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         if self.cfg.scaled_residual_init:
             residual_std = std / math.sqrt(2 * self.cfg.layers)
-            for block in self.blocks:
+            for block in self.blocks.values():
                 nn.init.normal_(block.attn.o_proj.weight, mean=0.0, std=residual_std)
                 nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
 
@@ -75,11 +78,18 @@ class Transformer(nn.Module):
     def trunk(self, input_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
               document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> hidden states [B, T, hidden] after the last block, before
-        the final norm. `key_padding_mask` [B, T] (True = real token) keeps a masked LM
+        the final norm (without `embed`, a later pipeline stage: hidden states in and out). `key_padding_mask` [B, T] (True = real token) keeps a masked LM
         from attending to the pads of a right-padded batch; `document_ids` [B, T] (equal
         ids = one document) keeps attention inside each document of a packed row.
         Positions still count from the row's start, not the document's: rotary attention
         depends only on distances, so there a document sees what it would alone."""
+        x = self._embed(input_ids) if self.embed is not None else input_ids
+        mask = attention_mask(self.cfg.objective == "causal", key_padding_mask, document_ids)
+        for block in self.blocks.values():
+            x = block(x, mask)
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model max_seq_len {self.cfg.max_seq_len}.")
@@ -88,11 +98,7 @@ class Transformer(nn.Module):
             x = x + self.pos_embed(torch.arange(seq, device=input_ids.device))
         elif self.pos_table is not None:
             x = x + self.pos_table[:seq].to(x.dtype)
-        x = self.drop(x)
-        mask = attention_mask(self.cfg.objective == "causal", key_padding_mask, document_ids)
-        for block in self.blocks:
-            x = block(x, mask)
-        return x
+        return self.drop(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 reduction: str = "mean", document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,6 +107,8 @@ class Transformer(nn.Module):
         trainer divides by the targets of a whole step, across accumulation and ranks).
         `document_ids` [B, T]: attend only within each document (see `trunk`)."""
         h = self.trunk(input_ids, document_ids=document_ids)
+        if self.head is None:  # a pipeline stage before the last
+            return h
         if labels is None:
             return self.head(self.norm(h))
         if self.cfg.objective == "mlm" and self.cfg.sparse_prediction:

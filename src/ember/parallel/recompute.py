@@ -31,14 +31,8 @@ _KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
 def blocks_of(module: nn.Module) -> list[tuple[int, nn.Module]]:
-    """(layer index, block) of a whole Transformer (`blocks` a ModuleList) or of a pipeline
-    stage (`blocks` a ModuleDict keyed by the layer index)."""
-    blocks = getattr(module, "blocks", None)
-    if blocks is None:
-        return []
-    if isinstance(blocks, nn.ModuleDict):
-        return [(int(key), block) for key, block in blocks.items()]
-    return list(enumerate(blocks))
+    """(layer index, block) of a whole Transformer or a pipeline stage, in forward order."""
+    return [(int(key), block) for key, block in module.blocks.items()]
 
 
 def _checkpointed(forward, *args, **kwargs):

@@ -19,11 +19,10 @@ from __future__ import annotations
 import collections
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ember.config import ModelConfig
-from ember.model.transformer import IGNORE, Transformer
+from ember.model.transformer import Transformer
+from ember.parallel.dtensor import local_tensor
 
 
 def stage_layers(layers: int, n_stages: int) -> list[range]:
@@ -40,61 +39,44 @@ def stage_ranks(pp: int, vpp: int, style: str = "loop") -> list[int]:
     return [s % pp for s in range(pp * vpp)]
 
 
-class StageModule(nn.Module):
-    """One contiguous piece of the Transformer. Input: token ids on the first stage,
-    hidden states [B, T, hidden] elsewhere. Output: hidden states, or on the last stage
-    the summed cross-entropy over its micro-batch's labelled positions, shape [1]."""
+class StageModule(Transformer):
+    """One contiguous piece of the Transformer: the model itself with the parts this stage
+    does not hold left out, so its forward is the model's. Input: token ids on the first
+    stage, hidden states [B, T, hidden] elsewhere. Output: hidden states, or on the last
+    stage the summed cross-entropy over its micro-batch's labelled positions, shape [1]."""
 
-    def __init__(self, cfg: ModelConfig, index: int, n_stages: int, layers: range):
-        super().__init__()
-        self.cfg = cfg
+    def __init__(self, model: Transformer, index: int, n_stages: int, layers: range):
+        nn.Module.__init__(self)  # shares `model`'s modules rather than building new ones
+        cfg = self.cfg = model.cfg
         self.index, self.n_stages = index, n_stages
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.layer_ids = list(layers)
-        self.blocks = nn.ModuleDict()
+        self.embed = model.embed if self.is_first else None
+        self.pos_embed = model.pos_embed if self.is_first else None
+        self.register_buffer("pos_table", model.pos_table if self.is_first else None, persistent=False)
+        self.drop = model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in layers})
+        self.norm = model.norm if self.is_last else None
+        self.head = model.head if self.is_last else None
+        if self.is_last and cfg.tie_embeddings and not self.is_first:
+            # The embedding lives on the first stage; this one gets its own copy (the
+            # pipeline engine keeps the two copies' gradients summed).
+            self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False,
+                                  device=model.head.weight.device, dtype=model.head.weight.dtype)
+            with torch.no_grad():
+                self.head.weight.copy_(model.head.weight)
         # Labels of the micro-batches still to run (last stage only); see the module doc.
         self.pending_labels: collections.deque[torch.Tensor] = collections.deque()
         self.last_labels_ptr: int | None = None
         self.sums: list[torch.Tensor] = []  # detached sum-losses of this step's micro-batches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self._embed(x)
-        for block in self.blocks.values():
-            x = block(x)
         if not self.is_last:
-            return x
-        if x.device.type == "meta":
-            # Shape inference at the first step: only the output's shape and dtype matter.
-            return torch.zeros(1, dtype=torch.float32, device=x.device)
-        return self._loss(x)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Mirrors Transformer.trunk up to the first block.
-        seq = input_ids.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model max_seq_len {self.cfg.max_seq_len}.")
-        x = self.embed(input_ids)
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(seq, device=input_ids.device))
-        elif self.pos_table is not None:
-            x = x + self.pos_table[:seq].to(x.dtype)
-        return self.drop(x)
-
-    def _loss(self, h: torch.Tensor) -> torch.Tensor:
-        # Mirrors Transformer.forward with labels and reduction="sum".
+            return self.trunk(x)
         if not self.pending_labels:
             raise RuntimeError("the last pipeline stage ran a micro-batch it was given no labels for")
         labels = self.pending_labels.popleft()
         self.last_labels_ptr = labels.data_ptr()
-        if self.cfg.objective == "mlm" and self.cfg.sparse_prediction:
-            keep = labels != IGNORE
-            h, labels = h[keep], labels[keep]
-        logits = self.head(self.norm(h))
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=IGNORE, reduction="sum")
-        if hasattr(loss, "to_local"):  # a replicated DTensor under the vocabulary-parallel loss
-            loss = loss.to_local()
+        loss = local_tensor(super().forward(x, labels, reduction="sum"))  # replicated under loss_parallel
         self.sums.append(loss.detach())
         # [1], not a scalar: older schedules concatenate the last stage's outputs on dim 0.
         return torch.stack([loss])  # a new tensor: FSDP warns about views returned from forward
@@ -107,32 +89,6 @@ class StageModule(nn.Module):
 
 def split_model(model: Transformer, stage_ids: list[int], n_stages: int) -> list[StageModule]:
     """The stage modules `stage_ids` (of n_stages) of `model`, sharing its parameters,
-    except a tied output layer on a last stage that is not also the first: it gets its own
-    copy of the embedding (the pipeline engine keeps the two copies' gradients summed)."""
-    cfg = model.cfg
-    slices = stage_layers(cfg.layers, n_stages)
-    stages = []
-    for index in stage_ids:
-        stage = StageModule(cfg, index, n_stages, slices[index])
-        if stage.is_first:
-            stage.embed = model.embed
-            stage.pos_embed = model.pos_embed
-            if model.pos_table is not None:
-                stage.register_buffer("pos_table", model.pos_table, persistent=False)
-            else:
-                stage.pos_table = None
-            stage.drop = model.drop
-        for i in stage.layer_ids:
-            stage.blocks[str(i)] = model.blocks[i]
-        if stage.is_last:
-            stage.norm = model.norm
-            if cfg.tie_embeddings and not stage.is_first:
-                head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False,
-                                 device=model.head.weight.device, dtype=model.head.weight.dtype)
-                with torch.no_grad():
-                    head.weight.copy_(model.head.weight)
-                stage.head = head
-            else:
-                stage.head = model.head
-        stages.append(stage)
-    return stages
+    except a tied output layer on a last stage that is not also the first."""
+    slices = stage_layers(model.cfg.layers, n_stages)
+    return [StageModule(model, index, n_stages, slices[index]) for index in stage_ids]

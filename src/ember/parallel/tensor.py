@@ -38,6 +38,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ember.parallel.recompute import blocks_of
+
 
 # Set on an output layer whose logits are vocabulary-sharded: its loss and backward must
 # run under loss_parallel (found again through any wrapper by walking .modules()).
@@ -45,8 +47,8 @@ _LOSS_PARALLEL_MARK = "_ember_loss_parallel"
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Splits, in place, whichever of `embed`, `pos_embed`, `blocks` (nn.ModuleList or an
-    nn.ModuleDict keyed by layer index), `norm` and `head` the module has (the whole
+    """Splits, in place, whichever of `embed`, `pos_embed`, `blocks`, `norm` and `head` the
+    module has (the whole
     Transformer or a pipeline stage) over the 1-D `tp_mesh`. Build the model identically
     on every rank first (rank 0's values are the ones distributed); `ember.layout` checks
     that the model splits. Run forward and backward under
@@ -69,7 +71,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     if getattr(module, "pos_embed", None) is not None:
         _replicate(module.pos_embed, tp_mesh)
 
-    blocks = _blocks(module)
+    blocks = [block for _, block in blocks_of(module)]
     for block in blocks:
         parallelize_module(block, tp_mesh, _block_plan(block, tp_mesh, sequence_parallel))
     if sequence_parallel and blocks:
@@ -120,14 +122,6 @@ def _in_layout(mesh: DeviceMesh, placements: tuple):
             return grad.redistribute(mesh, placements)
         return grad
     return hook
-
-
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    """The blocks in the order the forward runs them."""
-    blocks = getattr(module, "blocks", None)
-    if blocks is None:
-        return []
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
 def _block_plan(block: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> dict[str, Any]:

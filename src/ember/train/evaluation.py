@@ -18,8 +18,7 @@ from ember.train.schedule import Progress
 class Evaluator:
     def __init__(self, cfg: Config, batches: Batches, inputs: Inputs, engine: Engine, topo: Topology):
         n_rows = cfg.train.eval_batches * cfg.train.micro_batch
-        batch = batches.fixed(n_rows)
-        self.ids, self.documents = batch if isinstance(batch, tuple) else (batch, None)
+        self.ids, self.documents = batches.fixed(n_rows)
         self.cfg, self.inputs, self.engine, self.topo = cfg, inputs, engine, topo
         self.every: Every | None = None  # set by the loop, from train.eval_every
 

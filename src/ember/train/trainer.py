@@ -105,8 +105,7 @@ class Trainer:
                 group["lr"] = lr
         # This rank's rows are global rows first_row.. of the step (masks hash the global row).
         first_row = self.train_data.position + self.dp_rank * (n_sequences // self.dp_size)
-        batch = self.train_data.next(n_sequences)
-        ids, docs = batch if isinstance(batch, tuple) else (batch, None)
+        ids, docs = self.train_data.next(n_sequences)
         inputs, labels, local = self.inputs(ids, self.cfg.data.seed, first_row)
         # Normalise by the targets of the whole global batch, so that accumulation and data
         # parallelism equal one big batch on one device; summed on the host (gloo).
