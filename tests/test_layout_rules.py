@@ -105,3 +105,30 @@ def test_a_recipe_the_planner_reads_obeys_the_same_rules():
     spec = from_config(cfg.model, "tiny", cfg.data.mlm_rate)
     for lo in candidates(spec, 4, 4, TrainShape(64, 8)):
         assert problems(lo, cfg.model, 8, 4) == problems(lo, spec, 8, 4) == []
+
+
+@pytest.mark.parametrize("preset, text, gpus, split", [
+    # BLOOM-176B: 70 layers on 12 stages; Llama 3 405B: 126 layers on 16.
+    ("bloom-176b", "tp=4,pp=12,dp=8,zero=1,mbs=2,recompute=full", 384, (6,) * 11 + (4,)),
+    ("llama3-405b", "tp=8,pp=16,dp=4,zero=1,mbs=1,recompute=full", 512, (8,) * 14 + (7, 7)),
+])
+def test_published_uneven_pipelines_are_priced_stage_by_stage(preset, text, gpus, split):
+    from ember.plan.cluster import make_cluster
+    from ember.plan.layout import parse_layout
+    from ember.plan.memory import stage_memory
+    from ember.plan.predict import predict
+
+    spec = PRESETS[preset]
+    lo = parse_layout(text, gpus)
+    shape = TrainShape(2048, 2048)
+    assert problems(lo, spec, shape.global_batch, gpus, ember=False) == []
+    assert lo.split(spec) == split
+    cluster = make_cluster("a100-80gb", gpus)
+    p = predict(spec, cluster, shape, lo)
+    assert 0 < p.step_time_s < float("inf") and 0 < p.mfu < 1
+    # The last rank holds fewer blocks but the output layer: its states are sized from its own layers.
+    last = stage_memory(spec, lo, shape, lo.pp - 1, 2, "flash", 1.0)
+    middle = stage_memory(spec, lo, shape, 1, 2, "flash", 1.0)
+    assert last.weights != middle.weights
+    given = parse_layout(text + ",stage_layers=" + "/".join(map(str, split)), gpus)
+    assert predict(spec, cluster, shape, given).step_time_s == pytest.approx(p.step_time_s)

@@ -116,6 +116,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
     recompute: str = "none"  # activation checkpointing: none, selective, full
     recompute_every: int = 1  # the policy covers blocks 0, k, 2k, ... (k = this; 1 = every block)
+    # Layers of each of the pp x vpp stages in model order, e.g. [5, 6, 6, 5]; empty: equal
+    # when pp x vpp divides model.layers, else balanced by cost (the last stage holds the output layer).
+    stage_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -269,6 +272,11 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError("parallel.dp_shard must be at least 1, or -1 for the rest of the world size.")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, not {p.zero}.")
+    try:
+        p.stage_layers = [int(n) for n in p.stage_layers]
+    except (TypeError, ValueError):
+        raise ConfigError(f"parallel.stage_layers must be a list of whole numbers of layers per pipeline stage, "
+                          f"e.g. [5, 6, 6, 5], not {p.stage_layers!r}.") from None
 
 
 @dataclass(frozen=True)

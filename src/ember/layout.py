@@ -11,11 +11,13 @@ rule added here holds everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from torch.distributed import pipelining
 
 from ember.config import Config, ConfigError
+from ember.cost import matmul_params
 
 # schedule -> (several stages per rank, stage placement, class in torch.distributed.pipelining).
 # "loop": rank r holds stages r, r + pp, ...; "v": rank r holds stages r and 2pp - 1 - r.
@@ -47,6 +49,7 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     recompute_every: int = 1
+    stage_layers: tuple[int, ...] = ()  # layers of each of the pp x vpp stages; () = balanced
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Layout":
@@ -56,12 +59,15 @@ class Layout:
         shard = p.dp_shard if p.dp_shard != -1 else max(1, rest)
         return cls(tp=p.tp, pp=p.pp, dp_shard=shard, dp_replicate=p.dp_replicate, zero=p.zero, sp=p.sp,
                    vpp=p.vpp, schedule=p.schedule, micro_batch=cfg.train.micro_batch, recompute=p.recompute,
-                   recompute_every=p.recompute_every)
+                   recompute_every=p.recompute_every, stage_layers=tuple(p.stage_layers))
 
     def settings(self, global_batch: int) -> dict[str, object]:
         """The config keys of this layout (`--set key=value` for `ember train`)."""
-        keys = {f"parallel.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "micro_batch"}
+        keys = {f"parallel.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("micro_batch", "stage_layers")}
         keys["parallel.sp"] = str(self.sp).lower()
+        if self.stage_layers:
+            keys["parallel.stage_layers"] = "[" + ", ".join(map(str, self.stage_layers)) + "]"
         return keys | {"train.micro_batch": self.micro_batch, "train.global_batch": global_batch}
 
     @property
@@ -81,6 +87,33 @@ class Layout:
         """Micro-batches each pipeline runs per step (the gradient-accumulation count)."""
         return global_batch // (self.dp * self.micro_batch)
 
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def split(self, model) -> tuple[int, ...]:
+        """The layers of each pipeline stage, in model order: as given (`stage_layers`), equal
+        when pp x vpp divides the layers, else balanced by cost (`balanced_split`)."""
+        if self.stage_layers:
+            return self.stage_layers
+        if model.layers % self.stages == 0:
+            return (model.layers // self.stages,) * self.stages
+        return balanced_split(model, self.stages)
+
+    def stage_owner(self) -> list[int]:
+        """The pipeline rank holding each stage. "loop" schedules: rank r holds stages r,
+        r + pp, ...; "v" (ZB-V): rank r holds stages r and 2pp - 1 - r."""
+        if SCHEDULES.get(self.schedule, (False, "loop"))[1] == "v":
+            return [s if s < self.pp else 2 * self.pp - 1 - s for s in range(2 * self.pp)]
+        return [s % self.pp for s in range(self.stages)]
+
+    def rank_layers(self, model) -> list[int]:
+        """The layers each pipeline rank holds, over all its stages."""
+        out = [0] * self.pp
+        for owner, layers in zip(self.stage_owner(), self.split(model)):
+            out[owner] += layers
+        return out
+
     def recomputed_fraction(self, layers: int) -> float:
         """The share of the layers the policy covers: layers 0, k, 2k, ... as the trainer picks."""
         if self.recompute == "none":
@@ -94,6 +127,8 @@ class Layout:
             parts.append(f"schedule={self.schedule}")
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
+        if self.stage_layers:
+            parts.append("stage_layers=" + "/".join(map(str, self.stage_layers)))
         parts.append(f"dp={self.dp}")
         if self.zero:
             parts.append(f"zero={self.zero}")
@@ -178,6 +213,8 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
     out = []
     if lo.vpp > 1 and lo.pp == 1:
         out.append("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1")
+    if lo.stage_layers and lo.pp == 1:
+        out.append("parallel.stage_layers splits the layers over pipeline stages, so it needs parallel.pp > 1")
     if lo.pp == 1:
         return out
     if lo.schedule not in available_schedules():
@@ -190,9 +227,14 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
         out.append(f"parallel.schedule={lo.schedule!r} runs several stages per rank, so it needs parallel.vpp >= 2")
     if lo.schedule == "zbv" and lo.vpp != 2:
         out.append(f"parallel.schedule='zbv' places exactly two stages per rank; set parallel.vpp=2 (got {lo.vpp})")
-    if model.layers % (lo.pp * lo.vpp):
-        out.append(f"model.layers ({model.layers}) must be divisible by parallel.pp x parallel.vpp "
-                   f"({lo.pp} x {lo.vpp} = {lo.pp * lo.vpp}) so that every stage holds the same number of blocks")
+    if lo.stage_layers:
+        given = lo.stage_layers
+        if len(given) != lo.stages or sum(given) != model.layers or min(given) < 1:
+            out.append(f"parallel.stage_layers ({list(given)}) must give each of the parallel.pp x parallel.vpp = "
+                       f"{lo.stages} stages at least one layer, {model.layers} (model.layers) in all")
+    elif model.layers < lo.stages:
+        out.append(f"model.layers ({model.layers}) must be at least parallel.pp x parallel.vpp "
+                   f"({lo.pp} x {lo.vpp} = {lo.stages}): every stage holds at least one layer")
     if compile and lo.schedule in ZERO_BUBBLE:
         out.append(f"parallel.schedule={lo.schedule!r} cannot run compiled stages (PyTorch splits their backward "
                    f"into input and weight gradients); set train.compile=false or use schedule 'interleaved'")
@@ -201,6 +243,29 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
         if batch % rows == 0:
             out += micro_batch_problems(batch // rows, lo.pp, lo.schedule, ember)
     return out
+
+
+def balanced_split(model, stages: int) -> tuple[int, ...]:
+    """Whole layers per stage, in model order, so that the slowest stage is as fast as it can
+    be: a block costs its forward FLOPs per token (`ember.cost`), the last stage also pays for
+    the output layer (on the tokens it predicts), so it takes fewer blocks. The embedding is
+    a lookup, not a matmul, and costs the first stage nothing."""
+    seq = getattr(model, "max_seq_len", 0)
+    block = 2 * matmul_params(model)["layer"] + 4 * model.hidden * seq
+    head = 2 * matmul_params(model)["output"] * getattr(model, "predicted_fraction", 1.0)
+    return _balanced(model.layers, stages, block, head)
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced(layers: int, stages: int, block: float, head: float) -> tuple[int, ...]:
+    # Blocks are identical, so handing each next block to the stage it leaves cheapest
+    # minimises the slowest stage; ties go to the earlier stage.
+    counts = [1] * stages
+    extra = [0.0] * (stages - 1) + [head]
+    for _ in range(layers - stages):
+        s = min(range(stages), key=lambda i: ((counts[i] + 1) * block + extra[i], i))
+        counts[s] += 1
+    return tuple(counts)
 
 
 def micro_batch_problems(micro_batches: int, pp: int, schedule: str, ember: bool = True) -> list[str]:

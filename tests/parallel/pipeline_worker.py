@@ -10,7 +10,6 @@ import math
 import time
 import traceback
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ember.config import ModelConfig
 from ember.model import Transformer
-from ember.layout import available_schedules
+from ember.layout import Layout, available_schedules
 from ember.parallel.pipeline import PipelineEngine
 
 ROWS_PER_STEP = [8, 4, 8]  # sequences per step: the 4 exercises a second micro-batch count
@@ -33,12 +32,21 @@ def cases() -> list[dict]:
         for objective in ("mlm", "causal"):
             for tied in (True, False):
                 out.append({"schedule": schedule, "vpp": vpp, "objective": objective, "tied": tied})
+    # Uneven stages: 5 layers over pp2 (balanced: 3 + 2) and pp2 x vpp2 (1 + 1 + 1 + 2 as given).
+    out.append({"schedule": "1f1b", "vpp": 1, "objective": "causal", "tied": False, "layers": 5})
+    out.append({"schedule": "interleaved", "vpp": 2, "objective": "mlm", "tied": True, "layers": 5,
+                "stage_layers": (1, 1, 1, 2)})
     return out
 
 
-def model_config(objective: str, tied: bool) -> ModelConfig:
+def layout(case: dict, mesh) -> Layout:
+    return Layout(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"], micro_batch=MICRO_BATCH,
+                  stage_layers=case.get("stage_layers", ()))
+
+
+def model_config(objective: str, tied: bool, layers: int = 4) -> ModelConfig:
     # Sinusoidal positions (a buffer on the first stage) for the MLM, learned for causal.
-    return ModelConfig(objective=objective, vocab_size=VOCAB, vocab_multiple=8, hidden=32, layers=4, heads=4,
+    return ModelConfig(objective=objective, vocab_size=VOCAB, vocab_multiple=8, hidden=32, layers=layers, heads=4,
                        mlp_hidden=64, max_seq_len=SEQ, tie_embeddings=tied, dropout=0.0,
                        positions="sinusoidal" if objective == "mlm" else "learned", sparse_prediction=True)
 
@@ -65,14 +73,14 @@ def close(a: float, b: float) -> bool:
 
 
 def run_case(case: dict, mesh, errors: list[str]) -> None:
-    name = f"{case['schedule']}/vpp{case['vpp']}/{case['objective']}/{'tied' if case['tied'] else 'untied'}"
+    name = (f"{case['schedule']}/vpp{case['vpp']}/{case['objective']}/{'tied' if case['tied'] else 'untied'}"
+            f"/{case.get('layers', 4)} layers")
     torch.manual_seed(0)
-    ref = Transformer(model_config(case["objective"], case["tied"]))
+    ref = Transformer(model_config(case["objective"], case["tied"], case.get("layers", 4)))
     model = copy.deepcopy(ref)
     ref_opt = adamw(ref)
-    parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"])
-    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
-                                   wrap=lambda m: m, make_optimizer=adamw)
+    engine = PipelineEngine(model, mesh, layout(case, mesh), torch.device("cpu"), wrap=lambda m: m,
+                            make_optimizer=adamw)
     for step, rows in enumerate(ROWS_PER_STEP):
         inputs, labels = batch(case["objective"], rows, seed=100 * step + 7)
         count = int((labels != -100).sum())
@@ -149,9 +157,7 @@ def run_dp_case(case: dict, mesh, errors: list[str]) -> None:
         fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=case["reshard"])
         return stage
 
-    parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=case["vpp"], schedule=case["schedule"])
-    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
-                                   wrap=wrap, make_optimizer=adamw)
+    engine = PipelineEngine(model, mesh, layout(case, mesh), torch.device("cpu"), wrap=wrap, make_optimizer=adamw)
     for step, rows in enumerate(DP_ROWS_PER_STEP):
         inputs, labels = batch(case["objective"], rows, seed=100 * step + 7)
         count = int((labels != -100).sum())
@@ -229,9 +235,8 @@ def run_precision_case(amp_dtype, mesh, errors: list[str]) -> None:
     torch.manual_seed(0)
     ref = Transformer(model_config("causal", tied=False))
     model = copy.deepcopy(ref)
-    parallel = SimpleNamespace(pp=mesh["pp"].size(), vpp=1, schedule="1f1b")
-    engine = PipelineEngine(model, mesh, parallel, MICRO_BATCH, torch.device("cpu"),
-                                   wrap=lambda m: m, make_optimizer=adamw, amp_dtype=amp_dtype)
+    engine = PipelineEngine(model, mesh, Layout(pp=mesh["pp"].size(), micro_batch=MICRO_BATCH), torch.device("cpu"),
+                            wrap=lambda m: m, make_optimizer=adamw, amp_dtype=amp_dtype)
     seen: set[torch.dtype] = set()
     for part in engine.parts:
         for module in part.modules():

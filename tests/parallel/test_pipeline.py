@@ -14,23 +14,31 @@ import torch
 import torch.multiprocessing as mp
 
 from ember.config import ModelConfig
+from ember.cost import matmul_params
 from ember.model import Transformer
 from ember.layout import Layout, available_schedules, problems
-from ember.parallel.stages import split_model, stage_layers, stage_ranks
+from ember.parallel.stages import split_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_worker  # noqa: E402
 
 
-def refusal(model: ModelConfig, pp=2, vpp=1, schedule="1f1b", micro_batches=None, compile=False) -> list[str]:
+def refusal(model: ModelConfig, pp=2, vpp=1, schedule="1f1b", micro_batches=None, compile=False,
+            stage_layers=()) -> list[str]:
     """ember.layout's problems of a pipeline layout with `micro_batches` per step (one rank
     of micro-batch 1: the global batch is the micro-batch count)."""
     global_batch = micro_batches or pp * vpp * 4
-    return problems(Layout(pp=pp, vpp=vpp, schedule=schedule), model, global_batch, compile=compile)
+    return problems(Layout(pp=pp, vpp=vpp, schedule=schedule, stage_layers=stage_layers), model, global_batch,
+                    compile=compile)
 
 
 @pytest.mark.parametrize("model, parallel, words", [
-    (ModelConfig(layers=6), dict(pp=4), "divisible by parallel.pp x parallel.vpp"),
+    (ModelConfig(layers=3), dict(pp=4), "must be at least parallel.pp x parallel.vpp"),
+    (ModelConfig(layers=6), dict(pp=2, vpp=2, schedule="interleaved"), None),
+    (ModelConfig(layers=6), dict(pp=2, stage_layers=(3, 2)), "6 (model.layers) in all"),
+    (ModelConfig(layers=6), dict(pp=2, stage_layers=(3, 3, 0)), "6 (model.layers) in all"),
+    (ModelConfig(layers=6), dict(pp=2, stage_layers=(6, 0)), "at least one layer"),
+    (ModelConfig(layers=6), dict(pp=1, stage_layers=(6,)), "needs parallel.pp > 1"),
     (ModelConfig(layers=8), dict(pp=2, vpp=2, schedule="1f1b"), "needs parallel.schedule=interleaved"),
     (ModelConfig(layers=8), dict(pp=2, vpp=2, schedule="gpipe"), "needs parallel.schedule=interleaved"),
     (ModelConfig(layers=8), dict(pp=1, vpp=2), "needs parallel.pp > 1"),
@@ -47,6 +55,9 @@ def test_pipeline_layouts_are_refused_in_one_sentence(model, parallel, words):
     if schedule not in available_schedules() and schedule != "chimera":
         pytest.skip(f"this PyTorch has no {schedule} schedule")
     found = refusal(model, **parallel)
+    if words is None:  # uneven stages are a layout like any other
+        assert found == []
+        return
     assert any(words in reason for reason in found), found
     assert all(reason.count(". ") == 0 and "\n" not in reason for reason in found)
 
@@ -59,9 +70,49 @@ def test_valid_pipeline_layouts_pass():
 
 
 def test_stage_placement():
-    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    assert stage_ranks(2, 2) == [0, 1, 0, 1]  # looped: rank r holds r, r + pp
-    assert stage_ranks(2, 2, "v") == [0, 1, 1, 0]  # V: rank r holds r and 2pp - 1 - r
+    model = ModelConfig(layers=8)
+    assert Layout(pp=4).split(model) == (2, 2, 2, 2)
+    assert Layout(pp=2, vpp=2, schedule="interleaved").stage_owner() == [0, 1, 0, 1]  # rank r holds r, r + pp
+    assert Layout(pp=2, vpp=2, schedule="zbv").stage_owner() == [0, 1, 1, 0]  # V: r and 2pp - 1 - r
+    assert Layout(pp=2, vpp=2, schedule="zbv", stage_layers=(1, 2, 3, 2)).rank_layers(model) == [3, 5]
+    assert Layout(pp=3, stage_layers=(2, 4, 2)).split(model) == (2, 4, 2)
+
+
+def _compositions(layers: int, stages: int):
+    if stages == 1:
+        yield (layers,)
+        return
+    for first in range(1, layers - stages + 2):
+        for rest in _compositions(layers - first, stages - 1):
+            yield (first,) + rest
+
+
+@pytest.mark.parametrize("layers, stages, vocab", [(5, 2, 32000), (5, 4, 32000), (7, 3, 1000), (9, 4, 200000),
+                                                   (9, 9, 32000), (12, 5, 50000)])
+def test_uneven_stages_minimise_the_slowest_stage(layers, stages, vocab):
+    """Against every way of cutting the layers: no split has a cheaper slowest stage, where a
+    block costs its forward FLOPs per token and the last stage adds the output layer's."""
+    model = ModelConfig(layers=layers, vocab_size=vocab, hidden=256, heads=4, mlp_hidden=1024, max_seq_len=128)
+    block = 2 * matmul_params(model)["layer"] + 4 * model.hidden * model.max_seq_len
+    head = 2 * matmul_params(model)["output"]
+
+    def slowest(split):
+        return max(n * block + (head if i == len(split) - 1 else 0) for i, n in enumerate(split))
+
+    split = Layout(pp=stages).split(model)
+    assert sum(split) == layers and min(split) >= 1 and len(split) == stages
+    if layers % stages:
+        assert slowest(split) == min(slowest(c) for c in _compositions(layers, stages))
+    else:
+        assert split == (layers // stages,) * stages  # divisible: equal, as every framework does
+
+
+def test_a_heavier_output_layer_takes_more_layers_off_the_last_stage():
+    light = ModelConfig(layers=22, vocab_size=1000, hidden=256, heads=4, mlp_hidden=1024, max_seq_len=128)
+    heavy = ModelConfig(layers=22, vocab_size=600000, hidden=256, heads=4, mlp_hidden=1024, max_seq_len=128)
+    assert Layout(pp=4).split(light) == (6, 6, 5, 5)
+    heavy_split = Layout(pp=4).split(heavy)
+    assert heavy_split[-1] < 5 and sum(heavy_split) == 22
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -70,7 +121,7 @@ def test_stages_keep_parameter_names(tied):
     cfg = ModelConfig(vocab_size=50, vocab_multiple=8, hidden=16, layers=4, heads=2, mlp_hidden=32,
                       max_seq_len=8, tie_embeddings=tied)
     model = Transformer(cfg)
-    stages = split_model(model, [0, 1, 2, 3], 4)
+    stages = split_model(model, [0, 1, 2, 3], (1, 1, 1, 1))
     keys = [k for s in stages for k in s.state_dict()]
     assert sorted(keys) == sorted(model.state_dict())
     assert "blocks.2.attn.q_proj.weight" in stages[2].state_dict()

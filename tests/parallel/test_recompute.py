@@ -64,7 +64,7 @@ def test_recompute_every_picks_blocks_by_their_layer_index_also_in_pipeline_stag
             # Stages of 3 blocks (0-2, 3-5) and of 2 (0-1, 2-3, 4-5) pick the same blocks:
             # the count is by the plain model's index, not the position inside a stage.
             for n_stages in (2, 3):
-                stages = split_model(Transformer(cfg.model), list(range(n_stages)), n_stages)
+                stages = split_model(Transformer(cfg.model), list(range(n_stages)), (6 // n_stages,) * n_stages)
                 for stage in stages:
                     apply_recompute(stage, mode, every)
                 assert [i for stage in stages for i in _checkpointed(stage)] == chosen

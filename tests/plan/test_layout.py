@@ -48,8 +48,8 @@ def test_world_size(layout, words):
 
 @pytest.mark.parametrize("layout,gpus,words", [
     (Layout(tp=16), 16, "model.heads (32, 8 key/value heads) must be divisible by parallel.tp (16)"),
-    (Layout(pp=3, dp_replicate=2), 6, "model.layers (32) must be divisible by parallel.pp x parallel.vpp"),
-    (Layout(pp=4, vpp=3, schedule="interleaved"), 4, "model.layers (32) must be divisible"),
+    (Layout(pp=8, vpp=5, schedule="interleaved"), 8, "model.layers (32) must be at least parallel.pp x parallel.vpp"),
+    (Layout(pp=4, stage_layers=(8, 8, 8, 9)), 4, "32 (model.layers) in all"),
     (Layout(dp_replicate=8, micro_batch=16), 8, "must be a multiple of data-parallel ranks x train.micro_batch"),
     (Layout(pp=2, vpp=2), 2, "needs parallel.schedule=interleaved"),
     (Layout(pp=2, schedule="interleaved"), 2, "needs parallel.vpp >= 2"),
@@ -57,6 +57,17 @@ def test_world_size(layout, words):
 ])
 def test_divisibility_rejections(layout, gpus, words):
     assert any(words in reason for reason in problems(layout, LLAMA, SHAPE.global_batch, gpus, ember=False))
+
+
+def test_uneven_pipeline_stages_are_layouts_too():
+    """32 layers on 3 stages and on 4 x 3 virtual stages: the layers need not divide."""
+    assert problems(Layout(pp=3, dp_replicate=2), LLAMA, SHAPE.global_batch, 6, ember=False) == []
+    assert problems(Layout(pp=4, vpp=3, schedule="interleaved"), LLAMA, SHAPE.global_batch, 4, ember=False) == []
+    assert Layout(pp=3).split(LLAMA) in ((11, 11, 10), (11, 10, 11), (10, 11, 11))
+    lo = parse_layout("pp=4,stage_layers=7/9/9/7", 4)
+    assert lo.stage_layers == (7, 9, 9, 7) and lo.rank_layers(LLAMA) == [7, 9, 9, 7]
+    with pytest.raises(ConfigError):
+        parse_layout("pp=2,stage_layers=16-16", 2)
 
 
 def test_search_space_is_legal_and_keeps_tp_in_a_node():

@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ember.config import Config
+from ember.layout import Layout
 from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
@@ -128,16 +129,15 @@ class Wrapper:
         return lambda: self.tensor.loss_parallel_context(module)
 
 
-def build_engine(cfg: Config, model: nn.Module, topo: Topology, device: torch.device,
+def build_engine(cfg: Config, layout: Layout, model: nn.Module, topo: Topology, device: torch.device,
                  amp_dtype: torch.dtype | None, make_optimizer: Callable[[nn.Module], Optimizer]) -> Engine:
-    """The engine for the run's layout; `model` is the plain Transformer on `device`."""
+    """The engine for the run's `layout`; `model` is the plain Transformer on `device`."""
     wrap = Wrapper(cfg, topo, device, amp_dtype)
     # DDP and FSDP average gradients over the data-parallel ranks; scaling the loss by their
     # number first makes that reduction the sum the single-device gradient needs.
     grad_scale = float(topo.size("dp"))
     if cfg.parallel.pp > 1:
-        return PipelineEngine(model, topo.mesh, cfg.parallel, cfg.train.micro_batch, device, wrap, make_optimizer,
-                              amp_dtype, grad_scale)
+        return PipelineEngine(model, topo.mesh, layout, device, wrap, make_optimizer, amp_dtype, grad_scale)
     module = wrap(model)
     # The optimizer is built after wrapping so that it holds the sharded parameters.
     return LocalEngine(module, make_optimizer(module), cfg.train.micro_batch, device, amp_dtype,

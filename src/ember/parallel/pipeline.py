@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +23,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from ember.config import ModelConfig
 from ember.device import autocast_forward
-from ember.layout import SCHEDULES
+from ember.layout import SCHEDULES, Layout
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
-from ember.parallel.stages import StageModule, split_model, stage_ranks
+from ember.parallel.stages import StageModule, split_model
 
 
 def _reshard(parts: list[nn.Module]) -> None:
@@ -49,26 +48,27 @@ class PipelineEngine:
     """The engine of one pipeline rank: `parts` are its stage modules (wrapped), one
     optimizer per part. All ranks of a pipeline group call every method together."""
 
-    def __init__(self, model: nn.Module, mesh, parallel: Any, micro_batch: int, device: torch.device,
+    def __init__(self, model: nn.Module, mesh, layout: Layout, device: torch.device,
                  wrap: Callable[[nn.Module], nn.Module], make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  amp_dtype: torch.dtype | None = None, grad_scale: float = 1.0):
-        """Split `model` (a Transformer) into pp * vpp stages, keep this rank's (mesh["pp"]),
+        """Split `model` (a Transformer) into the layout's pp * vpp stages (`Layout.split`),
+        keep this rank's (mesh["pp"]),
         run their forwards (and the loss) under `amp_dtype` autocast, wrap each (tensor/data
         parallel, checkpointing, compile: the trainer's `wrap`) and give each an optimizer.
         `grad_scale` multiplies every loss (the data-parallel wrappers average)."""
         self.cfg: ModelConfig = model.cfg
         self.grad_scale = grad_scale
-        self.pp, self.vpp, self.schedule_name = int(parallel.pp), int(parallel.vpp), str(parallel.schedule)
-        self.micro_batch, self.device = micro_batch, device
+        self.pp, self.vpp, self.schedule_name = layout.pp, layout.vpp, layout.schedule
+        self.micro_batch, self.device = layout.micro_batch, device
         pp_mesh = mesh["pp"]
         self.group = pp_mesh.get_group()
         self.rank = pp_mesh.get_local_rank()
-        self._multi, style, cls_name = SCHEDULES[self.schedule_name]
+        self._multi, _, cls_name = SCHEDULES[self.schedule_name]
         self._schedule_cls = getattr(pipelining, cls_name)
-        self.n_stages = self.pp * self.vpp
-        self.owner = stage_ranks(self.pp, self.vpp, style)  # pipeline rank of each stage
+        self.n_stages = layout.stages
+        self.owner = layout.stage_owner()  # pipeline rank of each stage
         ids = [s for s, r in enumerate(self.owner) if r == self.rank]
-        self.stage_modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, self.n_stages)]
+        self.stage_modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, layout.split(model.cfg))]
         for m in self.stage_modules:  # the precision of the other engines; the schedules enter no autocast
             autocast_forward(m, device, amp_dtype)
         self.parts: list[nn.Module] = [wrap(m) for m in self.stage_modules]

@@ -25,20 +25,6 @@ from ember.model.transformer import Transformer
 from ember.parallel.dtensor import local_tensor
 
 
-def stage_layers(layers: int, n_stages: int) -> list[range]:
-    """The layer indices of each stage: equal consecutive slices (layers divisible by n_stages)."""
-    per = layers // n_stages
-    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
-
-
-def stage_ranks(pp: int, vpp: int, style: str = "loop") -> list[int]:
-    """The pipeline rank holding each of the pp * vpp stages. "loop": rank r holds stages
-    r, r + pp, ... (interleaved 1F1B); "v": rank r holds stages r and 2pp - 1 - r (ZB-V)."""
-    if style == "v":
-        return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
-    return [s % pp for s in range(pp * vpp)]
-
-
 class StageModule(Transformer):
     """One contiguous piece of the Transformer: the model itself with the parts this stage
     does not hold left out, so its forward is the model's. Input: token ids on the first
@@ -87,8 +73,9 @@ class StageModule(Transformer):
         self.sums = []
 
 
-def split_model(model: Transformer, stage_ids: list[int], n_stages: int) -> list[StageModule]:
-    """The stage modules `stage_ids` (of n_stages) of `model`, sharing its parameters,
-    except a tied output layer on a last stage that is not also the first."""
-    slices = stage_layers(model.cfg.layers, n_stages)
-    return [StageModule(model, index, n_stages, slices[index]) for index in stage_ids]
+def split_model(model: Transformer, stage_ids: list[int], split: tuple[int, ...]) -> list[StageModule]:
+    """The stage modules `stage_ids` of `model`, cut into stages of `split` layers each
+    (`Layout.split`), sharing its parameters, except a tied output layer on a last stage
+    that is not also the first."""
+    starts = [sum(split[:i]) for i in range(len(split) + 1)]
+    return [StageModule(model, index, len(split), range(starts[index], starts[index + 1])) for index in stage_ids]

@@ -5,6 +5,8 @@
 `--layout` keys (those of the trainer's [parallel] section, and `mbs` for train.micro_batch):
   tp, sp            tensor parallelism and sequence parallelism (norms/dropout split by tp)
   pp, vpp, schedule pipeline stages, virtual stages per GPU, 1f1b / gpipe / interleaved
+  stage_layers      layers of each of the pp x vpp stages, e.g. 6/6/.../4 (default: equal when
+                    they divide, else balanced by cost)
   dp                data-parallel size = dp_replicate x dp_shard
   zero              0 = replicate everything; 1 shards optimizer states, 2 also gradients,
                     3 also weights, each over dp_shard ranks (dp_shard defaults to dp)
@@ -37,7 +39,7 @@ class TrainShape:
 
 
 _INT_KEYS = ("tp", "pp", "dp", "dp_shard", "dp_replicate", "zero", "vpp", "mbs", "recompute_every")
-_KEYS = _INT_KEYS + ("sp", "schedule", "recompute")
+_KEYS = _INT_KEYS + ("sp", "schedule", "recompute", "stage_layers")
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -79,11 +81,15 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
         raise ConfigError(f"--layout dp ({dp}) must equal dp_shard x dp_replicate ({shard} x {replicate}).")
     if shard > 1 and not zero:
         raise ConfigError("--layout dp_shard > 1 shards state, which needs zero=1, 2 or 3.")
+    split = values.get("stage_layers", "")
+    if split and not all(n.isdigit() for n in split.split("/")):
+        raise ConfigError(f"--layout stage_layers must be layer counts joined by '/', e.g. 6/6/6/4, not {split!r}.")
     schedule = values.get("schedule", "interleaved" if vpp > 1 else "1f1b")
     return Layout(tp=tp, pp=pp, dp_shard=shard, dp_replicate=replicate, zero=zero,
                   sp=values.get("sp", "0") in _TRUE and tp > 1, vpp=vpp, schedule=schedule,
                   micro_batch=ints.get("mbs", 1), recompute=values.get("recompute", "none"),
-                  recompute_every=ints.get("recompute_every", 1))
+                  recompute_every=ints.get("recompute_every", 1),
+                  stage_layers=tuple(int(n) for n in split.split("/")) if split else ())
 
 
 def divisors(n: int) -> list[int]:
@@ -104,14 +110,15 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
             continue
         for pp in divisors(n_gpus // tp):
             dp = n_gpus // (tp * pp)
-            if model.layers % pp or shape.global_batch % dp:
+            if model.layers < pp or shape.global_batch % dp:
                 continue
             if any(fixed.get(key, value) != value for key, value in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue
             shards = sorted(({dp} | {d for d in divisors(dp) if d * tp <= gpus_per_node}) - {1})
             data = [(0, 1, dp)] + [(zero, s, dp // s) for zero in (1, 2, 3) for s in shards]
             schedules = [("1f1b", 1)] + ([("gpipe", 1)] + [
-                ("interleaved", v) for v in divisors(model.layers // pp) if 2 <= v <= max_vpp] if pp > 1 else [])
+                ("interleaved", v) for v in divisors(model.layers // pp) if 2 <= v <= max_vpp
+                and model.layers % pp == 0] if pp > 1 else [])
             micro = [2**i for i in range(10) if 2**i <= max_mbs and (shape.global_batch // dp) % 2**i == 0]
             seq_parallel = (False, True) if tp > 1 else (False,)
             for (zero, shard, rep), mbs, (schedule, vpp), sp, recompute in itertools.product(

@@ -21,7 +21,8 @@ softmax, only a 4-byte log-sum-exp per head and token.
 The first pipeline stage holds the most micro-batches in flight: p under 1F1B (stage i
 holds p - i), all m under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule
 (Narayanan et al. 2021). The embedding sits on the first stage, the output layer and the
-logits on the last (with pp > 1 a tied output layer is a second copy there).
+logits on the last (with pp > 1 a tied output layer is a second copy there). Each rank
+holds the layers `Layout.split` gives its stages, so uneven splits are sized rank by rank.
 """
 
 from __future__ import annotations
@@ -56,14 +57,31 @@ def total_params(model) -> int:
     return model.layers * layer_params(model) + embed + output + 2 * model.hidden
 
 
+def holds(layout: Layout, stage: int) -> tuple[bool, bool]:
+    """(the embedding, the output layer): whether pipeline rank `stage` holds them."""
+    owner = layout.stage_owner()
+    return owner[0] == stage, owner[-1] == stage
+
+
+def pipeline_ranks(model, layout: Layout) -> dict[int, int]:
+    """Each pipeline rank -> the rank that stands for it: ranks holding the same layers and
+    neither end cost the same, and the earliest of them has the most micro-batches in flight."""
+    layers = layout.rank_layers(model)
+    first: dict[tuple, int] = {}
+    for rank in range(layout.pp):
+        first.setdefault((holds(layout, rank), layers[rank]), rank)
+    return {rank: first[(holds(layout, rank), layers[rank])] for rank in range(layout.pp)}
+
+
 def stage_params(model, layout: Layout, stage: int) -> float:
-    """Parameters one GPU of pipeline stage `stage` holds (before ZeRO sharding)."""
+    """Parameters one GPU of pipeline rank `stage` holds (before ZeRO sharding)."""
     t, p = layout.tp, layout.pp
     vocab = model.padded_vocab * model.hidden / t  # vocabulary-parallel embedding and output
-    params = model.layers / p * layer_params(model) / t
-    if stage == 0:
+    params = layout.rank_layers(model)[stage] * layer_params(model) / t
+    embedding, output = holds(layout, stage)
+    if embedding:
         params += vocab + (model.max_seq_len * model.hidden if model.positions == "learned" else 0)
-    if stage == p - 1:
+    if output:
         params += 2 * model.hidden + (vocab if (not model.tie_embeddings or p > 1) else 0)
     return params
 
@@ -146,21 +164,22 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     weights = params * WEIGHT_BYTES / (shard if layout.zero >= 3 else 1)
     grads = params * grad_bytes / (shard if layout.zero >= 2 else 1)
     optimizer = params * OPTIMIZER_BYTES / (shard if layout.zero >= 1 else 1)
-    layers = model.layers / layout.pp
+    layers = layout.rank_layers(model)[stage]
+    embedding, output = holds(layout, stage)
     tokens = s * b
     acts = in_flight(layout, m, stage) * layers * tokens * layer_activation_bytes(model, s, layout, attention)
-    if stage == 0:  # embedding output (and its dropout mask) feeds the first block
+    if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     logits = 0.0
     vocab_t = model.padded_vocab / t
-    if stage == layout.pp - 1:  # fp32 softmax kept for the loss's backward, final norm input
+    if output:  # fp32 softmax kept for the loss's backward, final norm input
         predicted = tokens * model.predicted_fraction
         logits = predicted * vocab_t * 4 + tokens * 2 * model.hidden
     # Transients, the largest one at a time: recomputing one layer's activations (full
     # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
     # intermediate; plus communication buffers.
     full_layer = tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
-    loss = tokens * model.predicted_fraction * vocab_t * 6 if stage == layout.pp - 1 else 0.0
+    loss = tokens * model.predicted_fraction * vocab_t * 6 if output else 0.0
     widest = tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
     transient = max(full_layer if layout.recompute == "full" else 0.0, loss, widest)
     comm = BUCKET_BYTES if layout.dp > 1 else 0.0
@@ -177,8 +196,8 @@ def _no_recompute(layout: Layout) -> Layout:
 
 
 def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash") -> Memory:
-    """Memory of the fullest GPU: every pipeline stage is sized and the largest returned."""
+    """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
-    stages = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set())
+    stages = set(pipeline_ranks(model, layout).values())
     return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity) for i in stages),
                key=lambda mem: mem.total)

@@ -33,7 +33,7 @@ from ember.plan.cluster import Cluster
 from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
 from ember.plan.layout import TrainShape
-from ember.plan.memory import BUCKET_BYTES, GIB, Memory, memory, stage_params
+from ember.plan.memory import BUCKET_BYTES, GIB, Memory, holds, memory, pipeline_ranks, stage_params
 from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s
 
 ADAM_BYTES = 26
@@ -76,13 +76,14 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     seconds its compute could hide communication behind."""
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
-    n = model.layers / lo.pp
+    n = lo.rank_layers(model)[stage]
+    embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
     fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * (n * lo.recomputed_fraction(model.layers))
-    if stage == 0:
+    if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
-    if stage == lo.pp - 1:
+    if output:
         head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
@@ -110,7 +111,8 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links) if lo.pp > 1 else 0.0
 
     shard, rep = groups["dp_shard"], groups["dp_replicate"]
-    stages = sorted({0, lo.pp - 1} | ({1} if lo.pp > 2 else set()))
+    stand_in = pipeline_ranks(model, lo)  # ranks that cost the same are priced once
+    stages = sorted(set(stand_in.values()))
     times, parts, dp_exposed, optimizer = {}, {}, 0.0, 0.0
     for i in stages:
         fwd, bwd, hideable = _stage_work(model, cluster, shape, lo, i)
@@ -119,7 +121,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients
             gathers = (2 * comm.all_gather_s(params * 2, shard, links)
                        + comm.reduce_scatter_s(params * grad_bytes, shard, links))
-            first_layer = comm.all_gather_s(params * 2 / max(model.layers / lo.pp, 1), shard, links)
+            first_layer = comm.all_gather_s(params * 2 / max(lo.rank_layers(model)[i], 1), shard, links)
             per_mb = max(0.0, gathers - hideable) + first_layer
         elif lo.zero == 2:
             per_mb = max(0.0, comm.reduce_scatter_s(params * grad_bytes, shard, links) - bwd.compute)
@@ -143,8 +145,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         local = params / (lo.dp_shard if lo.zero >= 1 else 1)
         optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
 
-    # The middle stages are all like stage 1.
-    every_stage = [times[min(i, 1) if i < lo.pp - 1 else lo.pp - 1] for i in range(lo.pp)]
+    every_stage = [times[stand_in[i]] for i in range(lo.pp)]
     pipeline, bubble = pipeline_s(every_stage, m, lo.vpp)
     slowest = max(times, key=times.get)
     t_max, mean = times[slowest], sum(every_stage) / lo.pp
@@ -171,4 +172,4 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          lo.recompute, cluster.stack.attention)
-    return layers.recompute.compute * model.layers / lo.pp * lo.recomputed_fraction(model.layers)
+    return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

@@ -78,7 +78,7 @@ class Trainer:
             self.topo = Topology(self.world, self.rank, build_mesh(self.parallel, self.device.type))
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
         model = self._given_model if self._given_model is not None else Transformer(cfg.model)
-        self.engine = build_engine(cfg, model.to(self.device), self.topo, self.device, self.amp_dtype,
+        self.engine = build_engine(cfg, self.parallel, model.to(self.device), self.topo, self.device, self.amp_dtype,
                                    lambda module: build_optimizer(module, cfg.optim, self.device))
         self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
         self.timer = self.engine.timer = PhaseTimer(self.device)
