@@ -14,6 +14,7 @@ TWO_RANKS = [
     {"name": "pp2-gpipe", "set": {"parallel.pp": 2, "parallel.schedule": "gpipe"}},
     {"name": "pp2-1f1b", "set": {"parallel.pp": 2, "parallel.schedule": "1f1b"}},
     {"name": "pp2-interleaved", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"}},
+    {"name": "pp2-stages-3+1", "set": {"parallel.pp": 2, "parallel.stage_layers": "[3,1]"}},
 ]
 
 # Run in one launch of 4 processes.

@@ -28,12 +28,24 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float):
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        # Derived from the config, so kept out of checkpoints.
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.reset()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Compute the tables where the buffers live (again after a model built on the meta
+        device is given real memory); float64 then rounded once."""
+        if self.cos.is_meta:
+            return
+        d = self.head_dim
+        inv_freq = self.theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=self.cos.device) / d)
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=self.cos.device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # [max_seq_len, head_dim]
-        # Derived from the config, so kept out of checkpoints; float64 then rounded once.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, heads, T, head_dim] -> x rotated by its position along T."""

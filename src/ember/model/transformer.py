@@ -4,13 +4,12 @@ output layer sees every position or the masked ones alone."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.model.init import init_buffers, init_weights
 from ember.model.layers import Block, attention_mask, make_norm, sinusoidal_table
 
 IGNORE = -100  # label of positions that predict nothing (the data side's convention)
@@ -43,27 +42,17 @@ class Transformer(nn.Module):
             self.head.weight = self.embed.weight
         self.reset_parameters()
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """N(0, init_std) weights, zero biases, unit norm gains; with scaled_residual_init the
-        projections that write into the residual stream get std / sqrt(2 * layers), so the
-        stream's variance stays about the same whatever the depth (GPT-2)."""
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                if module is not self.head or not self.cfg.tie_embeddings:
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        if self.cfg.scaled_residual_init:
-            residual_std = std / math.sqrt(2 * self.cfg.layers)
-            for block in self.blocks.values():
-                nn.init.normal_(block.attn.o_proj.weight, mean=0.0, std=residual_std)
-                nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initial weights by parameter name (`ember.model.init`): the same numbers whatever
+        builds the model or holds which part of it. `seed` None draws one from torch's global
+        generator, so `torch.manual_seed` still decides; a model on the meta device is left
+        for `ember.parallel.materialize` to fill once each rank holds only its share."""
+        if any(p.is_meta for p in self.parameters()):
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        init_weights(self, self.cfg, seed)
+        init_buffers(self, self.cfg)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Trainable parameters, a tied weight counted once; optionally without the token

@@ -20,6 +20,7 @@ from ember.layout import Layout
 from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
+from ember.parallel.materialize import is_meta, materialize
 from ember.parallel.mesh import Topology
 from ember.parallel import tensor
 from ember.parallel.pipeline import PipelineEngine
@@ -105,7 +106,9 @@ class LocalEngine(Engine):
 class Wrapper:
     """`wrap(module)`: tensor parallel, recompute, compile, then data parallel, in the order
     they must compose (FSDP shards the DTensors tensor parallel made; checkpointing sits
-    inside FSDP's hooks). Remembers each module's data-parallel handle."""
+    inside FSDP's hooks). A module still on the meta device gets its memory after FSDP has
+    sharded it (DDP needs real parameters to start, so before it). Remembers each module's
+    data-parallel handle."""
 
     def __init__(self, cfg: Config, topo: Topology, device: torch.device, amp_dtype: torch.dtype | None):
         self.cfg, self.topo, self.device, self.amp_dtype = cfg, topo, device, amp_dtype
@@ -119,9 +122,16 @@ class Wrapper:
         apply_recompute(module, p.recompute, p.recompute_every)
         if self.cfg.train.compile:
             apply_compile(module)
+        if p.zero == 0:
+            self._materialize(module)
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
                                                              self.amp_dtype)
+        self._materialize(module)
         return module
+
+    def _materialize(self, module: nn.Module) -> None:
+        if is_meta(module):
+            materialize(module, self.cfg.model, self.cfg.train.seed, self.device)
 
     def loss_context(self, module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
         if self.tensor is None:
@@ -131,7 +141,8 @@ class Wrapper:
 
 def build_engine(cfg: Config, layout: Layout, model: nn.Module, topo: Topology, device: torch.device,
                  amp_dtype: torch.dtype | None, make_optimizer: Callable[[nn.Module], Optimizer]) -> Engine:
-    """The engine for the run's `layout`; `model` is the plain Transformer on `device`."""
+    """The engine for the run's `layout`; `model` is the plain Transformer, on `device` or
+    on the meta device (then each rank allocates only what the layout gives it)."""
     wrap = Wrapper(cfg, topo, device, amp_dtype)
     # DDP and FSDP average gradients over the data-parallel ranks; scaling the loss by their
     # number first makes that reduction the sum the single-device gradient needs.

@@ -68,7 +68,9 @@ class PipelineEngine:
         self.n_stages = layout.stages
         self.owner = layout.stage_owner()  # pipeline rank of each stage
         ids = [s for s, r in enumerate(self.owner) if r == self.rank]
-        self.stage_modules: list[StageModule] = [m.to(device) for m in split_model(model, ids, layout.split(model.cfg))]
+        self.stage_modules: list[StageModule] = split_model(model, ids, layout.split(model.cfg))
+        if not any(p.is_meta for p in model.parameters()):
+            self.stage_modules = [m.to(device) for m in self.stage_modules]
         for m in self.stage_modules:  # the precision of the other engines; the schedules enter no autocast
             autocast_forward(m, device, amp_dtype)
         self.parts: list[nn.Module] = [wrap(m) for m in self.stage_modules]

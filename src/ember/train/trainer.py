@@ -76,9 +76,15 @@ class Trainer:
         if self.world > 1:
             init_distributed(self.device)
             self.topo = Topology(self.world, self.rank, build_mesh(self.parallel, self.device.type))
-        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-        model = self._given_model if self._given_model is not None else Transformer(cfg.model)
-        self.engine = build_engine(cfg, self.parallel, model.to(self.device), self.topo, self.device, self.amp_dtype,
+        torch.manual_seed(cfg.train.seed)
+        if self._given_model is not None:
+            model = self._given_model.to(self.device)
+        else:
+            # Shapes only: every rank allocates its own share once the layout is applied, and
+            # initial weights are a function of train.seed and each parameter's name.
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+        self.engine = build_engine(cfg, self.parallel, model, self.topo, self.device, self.amp_dtype,
                                    lambda module: build_optimizer(module, cfg.optim, self.device))
         self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
         self.timer = self.engine.timer = PhaseTimer(self.device)
