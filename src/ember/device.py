@@ -67,6 +67,50 @@ def device_peak_flops(device: torch.device) -> float | None:
     return peak_flops(device_name(device)) if device.type == "cuda" else None
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (Linux), in bytes; None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak-memory counter again: the CUDA allocator's, or elsewhere the process's
+    peak resident set (Linux resets it on writing 5 to /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: the peak stays the process's lifetime peak
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory`: allocated GPU memory on CUDA, the process's
+    peak resident set elsewhere."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return float(peak)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

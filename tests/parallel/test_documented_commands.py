@@ -164,14 +164,14 @@ def test_a_refused_layout_in_a_document_is_caught():
 ```bash
 torchrun --nproc_per_node=8 -m ember train configs/llama-1b.toml --data d --out r \\
     --set parallel.tp=2 --set parallel.sp=true --set parallel.pp=2 --set parallel.vpp=2 \\
-    --set parallel.schedule=interleaved --set parallel.zero=1
+    --set parallel.schedule=1f1b --set parallel.zero=1
 --set parallel.zero=3         # fine: ZeRO-3 over 8
 --set parallel.tp=8 --set parallel.dp_replicate=4 --set parallel.zero=1
 ```
 """
     commands = documented_commands(REPO / "README.md", doc)
     assert [(c.world, c.recipe) for c in commands] == [(8, "configs/llama-1b.toml")] * 3
-    with pytest.raises(ConfigError, match="divisible by parallel.pp x parallel.vpp"):
+    with pytest.raises(ConfigError, match="needs parallel.schedule=interleaved"):
         check_command(commands[0])
     check_command(commands[1])
     assert "train.global_batch" not in " ".join(commands[2].sets)

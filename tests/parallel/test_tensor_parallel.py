@@ -17,6 +17,10 @@ CONFIGS = ["mlm-learned-gelu-tied-bias", "mlm-rotary-swiglu-untied", "mlm-dense-
            "causal-rotary-swiglu-tied", "causal-learned-gelu-untied-bias", "stages-mlm-learned-swiglu"]
 COMPILED = "compiled-causal-rotary-swiglu-tied"
 RTOL = 1e-5
+# After three AdamW steps: Adam divides by sqrt(v), so elements whose gradient is near zero
+# turn fp32 rounding noise (another reduction order) into steps of up to lr; a wrong
+# gradient moves a weight matrix by about lr / its scale, above 1e-2 relative.
+PARAM_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def test_training_matches_one_process(results, case):
     # Training moved: the losses of the three steps are not all the same.
     assert len(set(r["ref_losses"])) == 3
     assert r["param_names"], "the parallel model's parameter names differ from the plain model's"
-    assert r["param_rel"] < RTOL, f"{r['worst_param']} differs by {r['param_rel']:.2e} (relative)"
+    assert r["param_rel"] < PARAM_RTOL, f"{r['worst_param']} differs by {r['param_rel']:.2e} (relative)"
     assert r["tied"], "tying of the head and the embedding changed"
     # Sequence parallelism: the norms inside a block see half the sequence per rank.
     assert r["norm_tokens"] == (4 if case.endswith("+sp") else 8)

@@ -117,21 +117,25 @@ class Wrapper:
 
     def __call__(self, module: nn.Module) -> nn.Module:
         p = self.cfg.parallel
+        meta = is_meta(module)
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
         apply_recompute(module, p.recompute, p.recompute_every)
         if self.cfg.train.compile:
             apply_compile(module)
         if p.zero == 0:
-            self._materialize(module)
+            self._materialize(module, meta)
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
                                                              self.amp_dtype)
-        self._materialize(module)
+        self._materialize(module, meta and p.zero > 0)
         return module
 
-    def _materialize(self, module: nn.Module) -> None:
-        if is_meta(module):
-            materialize(module, self.cfg.model, self.cfg.train.seed, self.device)
+    def _materialize(self, module: nn.Module, meta: bool) -> None:
+        if not meta:
+            return
+        materialize(module, self.cfg.model, self.cfg.train.seed, self.device)
+        if self.tensor is not None:  # gradient hooks are the tensor's: register them on the real ones
+            self.tensor.keep_gradient_layouts(module)
 
     def loss_context(self, module: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
         if self.tensor is None:

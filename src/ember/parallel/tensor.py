@@ -94,8 +94,15 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     if plain:
         raise ValueError(f"apply_tensor_parallel left parameters unsplit: {', '.join(plain)}; "
                          "this module has parts the tensor-parallel plan does not know.")
+    if not any(p.is_meta for p in module.parameters()):
+        keep_gradient_layouts(module)
+
+
+def keep_gradient_layouts(module: nn.Module) -> None:
+    """Give every DTensor parameter's gradient its parameter's layout (`_in_layout`). Hooks
+    live on the tensor, so a module built on the meta device gets them once materialised."""
     for param in module.parameters():
-        if param.requires_grad:
+        if param.requires_grad and isinstance(param, DTensor):
             param.register_hook(_in_layout(param.device_mesh, param.placements))
 
 

@@ -10,7 +10,6 @@ Everything a run is checked against (config, data, layout, run directory) is set
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +23,8 @@ from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
 from ember.layout import SCHEDULES, check_run
-from ember.device import PhaseTimer, autocast_dtype, device_name, device_peak_flops, pick_device
+from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes, pick_device,
+                          reset_peak_memory)
 from ember.model import Transformer
 from ember.parallel.engine import build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
@@ -99,6 +99,7 @@ class Trainer:
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs)
         self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo)
         self.peak = device_peak_flops(self.device)
+        reset_peak_memory(self.device)  # what training holds, not what building passed through
 
     def flops_per_token(self, predicted_fraction: float) -> float:
         return model_flops_per_token(self.cfg.model, self.seq_len, predicted_fraction)
@@ -253,11 +254,8 @@ class Trainer:
         return {**self.parallel.sizes, "vpp": self.parallel.vpp}
 
     def peak_memory_gib(self) -> float:
-        """Peak memory of this rank: allocated GPU memory on CUDA, the process's resident
-        set elsewhere (Linux reports it in KiB)."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        """Peak memory of this rank since the model was built (`ember.device.peak_memory_bytes`)."""
+        return peak_memory_bytes(self.device) / 2**30
 
 
 def _bar_stats(record: dict) -> dict[str, str]:
