@@ -11,8 +11,8 @@ import pytest
 
 from conftest import REPO, TINY
 
-# ~60M parameters (240 MB in fp32): far above what a process group or the data loader costs.
-MODEL = ["model.hidden=512", "model.layers=18", "model.heads=8", "model.mlp_hidden=2048", "model.dropout=0",
+# ~100M parameters (400 MB in fp32): far above what a process group or the data loader costs.
+MODEL = ["model.hidden=512", "model.layers=24", "model.heads=8", "model.mlp_hidden=2048", "model.dropout=0",
          "train.precision=fp32", "train.device=cpu", "train.compile=false"]
 WORKER = REPO / "tests/parallel/build_memory_worker.py"
 
@@ -33,7 +33,7 @@ def build(nproc, sets, dataset, out) -> list[dict]:
 def test_zero3_builds_half_the_model_per_rank(dataset, tmp_path):
     [one] = build(1, [], dataset, tmp_path / "one")
     whole = one["whole"]
-    assert whole > 200e6
+    assert whole > 350e6
     # The measurement sees a whole model when one is built: one process rises by all of it.
     assert one["rise"] >= 0.9 * whole, one
     ranks = build(2, ["parallel.zero=3", "parallel.dp_shard=2"], dataset, tmp_path / "zero3")
