@@ -70,7 +70,6 @@ def worker(data: str, out: str, sets: list[str], steps: int) -> None:
 def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     """The planner's memory for every pipeline rank of the run `sets` describes."""
     from ember.config import load_config
-    from ember.hardware import GPU
     from ember.layout import Layout
     from ember.plan.layout import TrainShape
     from ember.plan.memory import GIB as PLAN_GIB, stage_memory
@@ -80,10 +79,9 @@ def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     layout = Layout.from_config(cfg, world)
     spec = from_config(cfg.model, "llama-1b-short")
     shape = TrainShape(cfg.model.max_seq_len, cfg.train.global_batch, precision="fp32")
-    host = GPU("this CPU", 1e11, 24.0, "cpu", runtime_gib=0.0)
     out = []
     for stage in range(layout.pp):
-        mem = stage_memory(spec, layout, shape, stage, 4, "flash", host.memory_gib * PLAN_GIB, host)
+        mem = stage_memory(spec, layout, shape, stage, 4, "flash", 24 * PLAN_GIB, runtime=0.0)
         out.append({"stage": stage, "total": mem.total, "parts_gib": mem.parts_gib()})
     return out
 

@@ -156,38 +156,52 @@ class Memory:
 
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
-                 attention: str, capacity: float) -> Memory:
+                 attention: str, capacity: float, runtime: float = RUNTIME_BYTES) -> Memory:
+    """Memory of one GPU of pipeline rank `stage`. `shape.precision` "fp32" (a CPU run, or
+    a GPU without autocast) keeps 4-byte weights, gradients and activations and no master
+    copy (Adam's two moments only); `runtime` is what the device holds outside the program."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
+    fp32 = shape.precision == "fp32"
+    width = 2 if fp32 else 1  # activations are counted in 2-byte elements
+    grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
-    weights = params * WEIGHT_BYTES / (shard if layout.zero >= 3 else 1)
+    weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
     grads = params * grad_bytes / (shard if layout.zero >= 2 else 1)
-    optimizer = params * OPTIMIZER_BYTES / (shard if layout.zero >= 1 else 1)
+    optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
     tokens = s * b
     acts = in_flight(layout, m, stage) * layers * tokens * layer_activation_bytes(model, s, layout, attention)
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
+    acts *= width
     logits = 0.0
     vocab_t = model.padded_vocab / t
     if output:  # fp32 softmax kept for the loss's backward, final norm input
         predicted = tokens * model.predicted_fraction
-        logits = predicted * vocab_t * 4 + tokens * 2 * model.hidden
+        logits = predicted * vocab_t * 4 + tokens * 2 * width * model.hidden
     # Transients, the largest one at a time: recomputing one layer's activations (full
     # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
     # intermediate; plus communication buffers.
-    full_layer = tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
-    loss = tokens * model.predicted_fraction * vocab_t * 6 if output else 0.0
-    widest = tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
+    full_layer = width * tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
+    loss = tokens * model.predicted_fraction * vocab_t * (8 if fp32 else 6) if output else 0.0
+    widest = width * tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
     transient = max(full_layer if layout.recompute == "full" else 0.0, loss, widest)
+    if fp32:
+        # ember's CPU optimizer is the unfused AdamW: it makes two temporaries the size of
+        # each parameter in turn (fused AdamW on a GPU makes none). It runs once the
+        # activations are gone, so it only counts where it exceeds them.
+        largest = max(model.padded_vocab * model.hidden / t, model.hidden * model.mlp_hidden / t)
+        step = 2 * 4 * largest / (shard if layout.zero >= 3 else 1)
+        transient = max(transient, step - acts - logits)
     comm = BUCKET_BYTES if layout.dp > 1 else 0.0
     if layout.zero >= 3:  # the gathered weights and gradients of the current and next layer
-        comm += 2 * layer_params(model) / t * (WEIGHT_BYTES + grad_bytes)
+        comm += 2 * layer_params(model) / t * ((4 if fp32 else WEIGHT_BYTES) + grad_bytes)
     buffers = transient + comm
     held = weights + grads + optimizer + acts + logits + buffers
-    return Memory(weights, grads, optimizer, acts, logits, buffers, RUNTIME_BYTES, FRAGMENTATION * held,
+    return Memory(weights, grads, optimizer, acts, logits, buffers, runtime, FRAGMENTATION * held,
                   stage, capacity)
 
 
