@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ember.atomic import publish_dir
 from ember.config import ConfigError, ModelConfig
 from ember.eval.run import open_run
 from ember.export.hf_tokenizer import write_tokenizer
@@ -134,7 +135,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | N
     config, state = MAPPINGS[architecture](model, run.special_tokens)
     config["ember"] = {"run_dir": str(run.run_dir), "weights": str(run.weights),
                        "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
-    # Written beside the target and renamed, so a folder at `out` is always complete.
+    # Written beside the target, flushed and renamed, so a folder at `out` is always complete.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -144,8 +145,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | N
     (tmp / "generation_config.json").write_text(json.dumps(
         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2) + "\n")
     write_tokenizer(tmp, run.tokenizer_path, run.tokenizer, run.special_tokens, run.config.model.max_seq_len)
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)
+    publish_dir(tmp, out)  # flushed, then renamed over the empty folder checked above
     return {"architecture": architecture, "out": str(out), "parameters": sum(t.numel() for t in tensors.values()),
             "vocab_size": run.config.model.padded_vocab, "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
