@@ -5,6 +5,7 @@ records every mismatch (loss, grad norm, parameters, evaluation loss)."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import time
@@ -13,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import pipelining
 from torch.distributed.device_mesh import init_device_mesh
 
 from ember.config import ModelConfig
@@ -104,6 +106,13 @@ def run_case(case: dict, mesh, errors: list[str]) -> None:
             errors.append(f"{name} step {step}: loss {float(loss)} != {ref_loss}")
         if not close(norm, ref_norm):
             errors.append(f"{name} step {step}: grad norm {norm} != {ref_norm}")
+    # Three steps of two micro-batch counts: the stages of the schedule not in use are gone
+    # (a batch-size ramp must not keep a set of stage buffers per size).
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, pipelining.PipelineStage)
+             and any(o.submod is part for part in engine.parts)]
+    if len(alive) != len(engine.parts):
+        errors.append(f"{name}: {len(alive)} pipeline stages alive for {len(engine.parts)} stage modules")
 
     reference = ref.state_dict()
     names = []
