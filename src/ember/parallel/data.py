@@ -64,7 +64,17 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
     reshard = zero == 3
     for _, block in blocks_of(module):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    # The root holds embeddings, final norm and head (a tied head shares the embedding's
-    # weight, so both must sit in the same FSDP group); nothing runs after it, so keep it.
+    embed, norm, head = (getattr(module, name, None) for name in ("embed", "norm", "head"))
+    if embed is None or head is None or head.weight is not embed.weight:
+        # As torchtitan does: the embedding and the output layer (the largest matrices of
+        # a model with a large vocabulary) are groups of their own, so that each is
+        # gathered only around its own forward and backward, never both for the whole
+        # step. The output layer runs last and its backward first: no reshard in between.
+        if embed is not None:
+            fully_shard(embed, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if head is not None:
+            fully_shard([norm, head], mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    # The root holds the rest (a tied head shares the embedding's weight, so both then sit
+    # in the root's group); nothing runs after it, so keep it.
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     return DataParallel(module, zero)

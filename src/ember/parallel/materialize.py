@@ -12,6 +12,7 @@ cuts to its slice at once (`init_weights`).
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 from torch import nn
@@ -43,4 +44,7 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
         module.to_empty(device=device)
     init_weights(module, cfg, seed)
     init_buffers(module, cfg)
+    # The whole values cut to this rank's slices leave reference cycles behind (DTensor
+    # wrappers); without a collection their memory stays held into the first steps.
+    gc.collect()
     return module

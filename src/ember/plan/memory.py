@@ -197,8 +197,12 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         step = 2 * 4 * largest / (shard if layout.zero >= 3 else 1)
         transient = max(transient, step - acts - logits)
     comm = BUCKET_BYTES if layout.dp > 1 else 0.0
-    if layout.zero >= 3:  # the gathered weights and gradients of the current and next layer
-        comm += 2 * layer_params(model) / t * ((4 if fp32 else WEIGHT_BYTES) + grad_bytes)
+    if layout.zero >= 3:
+        # Gathered weights and gradients: the current layer and the next (prefetched), or the
+        # current layer and the embedding or output layer, FSDP groups of their own.
+        layer = layer_params(model) / t
+        vocab_group = model.padded_vocab * model.hidden / t if (embedding or output) else 0.0
+        comm += (layer + max(layer, vocab_group)) * ((4 if fp32 else WEIGHT_BYTES) + grad_bytes)
     buffers = transient + comm
     held = weights + grads + optimizer + acts + logits + buffers
     return Memory(weights, grads, optimizer, acts, logits, buffers, runtime, FRAGMENTATION * held,
