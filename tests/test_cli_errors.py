@@ -22,6 +22,22 @@ def _train(dataset, tmp_path, *extra):
     (["--set", "model.vocab_size=100"], "smaller than the data's vocabulary"),
     (["--set", "model.max_seq_len=16"], "shorter than the data's sequences"),
     (["--set", "data.order=curriculum"], "needs data prepared with --curriculum sentence-length"),
+    # Numeric settings outside their range, refused before anything is built.
+    (["--set", "optim.lr=nan"], "optim.lr must be a finite number in (0, 1]"),
+    (["--set", "optim.lr=1e9"], "optim.lr must be a finite number"),
+    (["--set", "optim.betas=[0.9,1.0]"], "optim.betas must be two numbers in [0, 1)"),
+    (["--set", "optim.eps=-1e-8"], "optim.eps must be"),
+    (["--set", "optim.weight_decay=-0.1"], "optim.weight_decay must be"),
+    (["--set", "optim.clip=-1"], "optim.clip must be"),
+    (["--set", "train.log_every=0"], "train.log_every must be"),
+    (["--set", "train.eval_batches=0"], "train.eval_batches must be"),
+    (["--set", "train.keep_checkpoints=-1"], "train.keep_checkpoints must be"),
+    (["--set", "model.hidden=inf"], "model.hidden must be a whole number"),
+    (["--set", "train.micro_batch=1e400"], "train.micro_batch must be a whole number"),
+    (["--set", "model.norm_eps=0"], "model.norm_eps must be"),
+    (["--set", "model.init_std=-0.02"], "model.init_std must be"),
+    (["--budget", "1e400tok"], "not understood"),
+    (["--set", "parallel.stage_layers=[a,b]"], "parallel.stage_layers must be a list of whole numbers"),
 ])
 def test_train_mistakes(dataset, tmp_path, capsys, extra, words):
     assert main(_train(dataset, tmp_path, *extra)) == 2

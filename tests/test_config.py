@@ -14,7 +14,7 @@ def test_recipe_then_overrides(tmp_path):
 @pytest.mark.parametrize("override, words", [
     ("model.hiden=3", "unknown config key"),
     ("modle.hidden=3", "unknown config section"),
-    ("model.layers=two", "must be a int"),
+    ("model.layers=two", "must be a whole number"),
     ("model.activation=relu", "must be one of"),
     ("model.heads=5", "divisible"),
     ("train.global_batch=10", "multiple of"),

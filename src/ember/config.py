@@ -146,6 +146,38 @@ _CHOICES = {
 }
 
 
+# The valid range of every numeric key that has one: (low, high, low allowed, high allowed).
+# Floats must also be finite. `validate` checks them before anything is built.
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "model.norm_eps": (0.0, 1.0, False, False),
+    "model.init_std": (0.0, 1.0, False, True),
+    "model.rope_theta": (0.0, math.inf, False, False),
+    "optim.lr": (0.0, 1.0, False, True),
+    "optim.eps": (0.0, 1.0, False, False),
+    "optim.weight_decay": (0.0, 10.0, True, True),
+    "optim.clip": (0.0, math.inf, True, False),
+    "train.log_every": (1, math.inf, True, False),
+    "train.eval_batches": (1, math.inf, True, False),
+    "train.keep_checkpoints": (1, math.inf, True, False),
+    "train.seed": (0, math.inf, True, False),
+    "data.seed": (0, math.inf, True, False),
+    "schedule.batch_start": (0, math.inf, True, False),
+}
+
+
+def _check_ranges(config: "Config") -> None:
+    for dotted, (low, high, low_ok, high_ok) in _RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        inside = (low < value or (low_ok and value == low)) and (value < high or (high_ok and value == high))
+        if not math.isfinite(value) or not inside:
+            span = ("[" if low_ok else "(") + f"{low:g}, " + (f"{high:g}" if high < math.inf else "inf") + \
+                   ("]" if high_ok else ")")
+            raise ConfigError(f"{dotted} must be a finite number in {span}, not {value!r}.")
+    if not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in config.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], not {config.optim.betas}.")
+
+
 def _coerce(name: str, value: Any, current: Any) -> Any:
     """Convert `value` to the type of the field's default, or explain why it cannot."""
     kind = type(current)
@@ -159,7 +191,7 @@ def _coerce(name: str, value: Any, current: Any) -> Any:
             number = float(value)
             if number == int(number):
                 return int(number)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: inf, 1e400
             pass
     elif kind is float and not isinstance(value, bool):
         try:
@@ -176,7 +208,8 @@ def _coerce(name: str, value: Any, current: Any) -> Any:
                 return [type(current[0])(v) for v in value] if current else list(value)
             except (TypeError, ValueError):
                 pass
-    raise ConfigError(f"{name} must be a {kind.__name__}, not {value!r}.")
+    what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    raise ConfigError(f"{name} must be {what.get(kind, kind.__name__)}, not {value!r}.")
 
 
 def _set(config: Config, dotted: str, value: Any) -> None:
@@ -252,6 +285,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")
     if len(config.optim.betas) != 2:
         raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
+    _check_ranges(config)
     validate_parallel(config.parallel)
     parse_budget(t.budget)
     parse_interval(t.eval_every, "train.eval_every")
@@ -304,7 +338,7 @@ def parse_budget(text: str, name: str = "budget") -> Budget:
     """'90s', '10m', '2h', '1e8tok', '500steps' -> Budget."""
     match = _BUDGET.match(str(text))
     unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or float(match.group(1)) <= 0:
+    if not unit or not 0 < float(match.group(1)) < math.inf:
         raise ConfigError(
             f"{name} {text!r} is not understood; write a time (90s, 10m, 2h), "
             "tokens (1e8tok) or steps (500steps)."
