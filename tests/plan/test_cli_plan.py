@@ -80,6 +80,11 @@ def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     (["--precision", "fp64"], "--precision must be one of"),
     (["--grad-dtype", "fp8"], "--grad-dtype must be one of"),
     (["--profile", "/nonexistent/profile.json"], "does not exist"),
+    (["--profile", "/"], "cannot be read"),
+    (["--save-profile", "/nonexistent/dir/profile.json"], "cannot write the profile"),
+    (["--seq-len", "0"], "--seq-len and --global-batch must be at least 1"),
+    (["--top", "-1"], "--top must be at least 1"),
+    (["--layout", "pp=4,stage_layers=24-24-24-24"], "stage_layers must be layer counts joined by '/'"),
 ])
 def test_mistakes_get_one_sentence_and_status_2(args, words, capsys):
     argv = list(BASE)

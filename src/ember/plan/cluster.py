@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.atomic import write_text
 from ember.config import ConfigError
 from ember.plan.comm import Links
 from ember.hardware import GPU, GPUS, gpu_by_name
@@ -110,6 +111,8 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"profile file {path} does not exist.") from None
+    except OSError as err:
+        raise ConfigError(f"profile file {path} cannot be read ({err.strerror}).") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"profile file {path} is not valid JSON ({err}).") from None
     if not isinstance(data, dict) or data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
@@ -165,4 +168,7 @@ def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
 
 
 def write_profile(cluster: Cluster, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(cluster.profile(), indent=2) + "\n")
+    try:
+        write_text(Path(path), json.dumps(cluster.profile(), indent=2) + "\n")
+    except OSError as err:
+        raise ConfigError(f"cannot write the profile to {path} ({err.strerror}).") from None

@@ -85,7 +85,9 @@ def _setup(args):
     model, recipe = resolve_model(args.model)
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
-    seq = args.seq_len or model.max_seq_len
+    seq = args.seq_len if args.seq_len is not None else model.max_seq_len
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top must be at least 1, not {args.top}.")
     if args.global_batch is None:
         raise ConfigError("give the global batch in sequences with --global-batch.")
     if seq < 1 or args.global_batch < 1:
