@@ -83,3 +83,22 @@ def test_a_damaged_shard_stops_training_before_any_step(dataset, tmp_path):
     # Turning verification off trains on the same data (the damage is a valid id).
     assert main([*args, "--set", "data.verify=false"]) == 0
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_paths_that_cannot_be_used_are_one_sentence(dataset, tmp_path, capsys):
+    """Outputs under a file or a missing folder, a folder where a file goes, a binary recipe."""
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "binary.toml").write_bytes(bytes(range(256)))
+    cases = [
+        (["data", "corpus", "--out", str(tmp_path / "a_folder")], "a_folder"),
+        (["data", "corpus", "--out", str(tmp_path / "a_file" / "c.jsonl")], "a_file"),
+        (["data", "stats", str(dataset), "--png", str(tmp_path / "a_file" / "x.png")], "a_file"),
+        (["train", str(tmp_path / "binary.toml"), "--data", str(dataset), "--out", str(tmp_path / "run")],
+         "is not a text (TOML) file"),
+    ]
+    for argv, words in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    assert (tmp_path / "a_file").read_text() == "x"

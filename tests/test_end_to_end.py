@@ -57,3 +57,22 @@ def test_report_writes_plots_and_summary(dataset, tmp_path):
     assert (run / "tokenizer.json").read_text() == (dataset / "tokenizer.json").read_text()
     for png in ("loss.png", "throughput.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_damaged_metrics_log_or_summary_still_reports_and_resumes(dataset, tmp_path):
+    """A crash mid-write leaves a cut last line in metrics.jsonl; damage leaves garbage or a
+    broken summary.json. `ember report` reads what is whole, and `--resume` continues."""
+    run = tmp_path / "run"
+    args = ["train", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--out", str(run), "--quiet",
+            *[x for s in TINY + ["train.checkpoint_every=10steps"] for x in ("--set", s)]]
+    subprocess.run(ember_cmd(*args, "--budget", "10steps"), check=True, capture_output=True)
+    whole = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(whole + "not json\n" + '{"step": 11, "loss": 2.')
+    (run / "summary.json").write_text("{broken")
+    report = subprocess.run(ember_cmd("report", str(run)), capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert "tokens/s" in report.stdout
+    done = subprocess.run(ember_cmd(*args, "--budget", "15steps", "--resume"), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 15

@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"ember: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        # A path given on the command line cannot be read or written (a missing folder, a
+        # file where a folder should be, no permission, a full disk).
+        name = str(err.filename or "")
+        name = name[:-4] if name.endswith(".tmp") else name  # the atomic writer's temporary name
+        print(f"ember: error: cannot use {name or 'a file'} ({err.strerror or err}).", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

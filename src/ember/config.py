@@ -233,6 +233,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config file {path} does not exist.")
         try:
             data = tomllib.loads(path.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not a text (TOML) file.") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {path} is not valid TOML ({err}).") from None
         for section_name, section in data.items():

@@ -60,8 +60,13 @@ def plot(run_dir: Path) -> list[Path]:
 
 
 def _summary_json(run_dir: Path) -> dict:
+    """summary.json, or nothing when it is missing or damaged (the metrics still report)."""
     path = Path(run_dir) / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
 
 
 def summary_text(run_dir: Path) -> str:

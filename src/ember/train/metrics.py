@@ -26,11 +26,8 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         """Lines logged after the checkpoint we resume from will be logged again."""
-        kept = [
-            line for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        write_text(self.path, "".join(line + "\n" for line in kept))
+        kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= step]
+        write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -51,7 +48,17 @@ class NoLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl. A line that is not a JSON object (the last line cut by
+    a crash in mid-write, or damage) is left out rather than failing the reader."""
+    records = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 class ProgressBar:
