@@ -96,6 +96,9 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     seed: int = 0  # model initialisation and dropout
+    # Seconds a collective waits for the other ranks before the job ends with an error: a
+    # rank that died or hangs stops the run instead of holding every GPU until the scheduler does.
+    timeout_s: float = 600.0
     # Profile the logged steps for where the time goes (compute, exposed communication,
     # pipeline bubble): auto = under torchrun only, where there is communication to see.
     breakdown: str = "auto"  # auto, on, off
@@ -160,6 +163,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "train.eval_batches": (1, math.inf, True, False),
     "train.keep_checkpoints": (1, math.inf, True, False),
     "train.seed": (0, math.inf, True, False),
+    "train.timeout_s": (0.0, math.inf, False, False),
     "data.seed": (0, math.inf, True, False),
     "schedule.batch_start": (0, math.inf, True, False),
 }

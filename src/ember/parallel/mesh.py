@@ -8,6 +8,8 @@ kept beside the mesh rather than sliced from it again, which newer PyTorch disco
 
 from __future__ import annotations
 
+import datetime
+
 import os
 from dataclasses import dataclass
 
@@ -27,16 +29,18 @@ def env_world() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> None:
     """Join the torchrun process group: NCCL for CUDA tensors, gloo for CPU tensors (the
-    trainer sums small host counters over it without touching the GPU stream)."""
+    trainer sums small host counters over it without touching the GPU stream). Every
+    collective fails after `timeout_s` seconds without its peers (None: PyTorch's default)."""
     if dist.is_initialized():
         return
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=device, **timeout)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", **timeout)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -63,6 +63,7 @@ class Trainer:
         if cfg.data.verify:  # last of the checks: the ranks read every shard once between them
             verify_checksums(self.data_dir, self.manifest, self.rank, self.world)
         self._given_model = model
+        self.resume_requested = resume
         self.show_progress = progress and self.rank == 0
         self.policies: list[Policy] = []  # per-step policies beside the stop on signals
         self.stopped_by: int | None = None  # the signal that stopped the run, if any
@@ -74,7 +75,7 @@ class Trainer:
         cfg = self.cfg
         self.topo = Topology()
         if self.world > 1:
-            init_distributed(self.device)
+            init_distributed(self.device, cfg.train.timeout_s)
             self.topo = Topology(self.world, self.rank, build_mesh(self.parallel, self.device.type))
         torch.manual_seed(cfg.train.seed)
         if self._given_model is not None:
@@ -151,6 +152,8 @@ class Trainer:
         bar = ProgressBar(self.show_progress, f"{self.cfg.model.objective} {self.budget}")
         if self.resume_from is not None and self.topo.is_main:
             bar.print(f"resuming from {self.resume_from} (step {progress.step})")
+        elif self.resume_requested and self.topo.is_main:  # a requeued job that never reached a checkpoint
+            bar.print(f"no checkpoint in {self.run_dir} yet: starting the run from step 0")
         try:
             with StopOnSignal() as stop:
                 status = self._loop(progress, log, bar, [stop, *self.policies])
