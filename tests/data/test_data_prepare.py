@@ -121,7 +121,7 @@ def test_small_corpus_still_gets_a_validation_sequence(tmp_path):
     m = prepare([path], tmp_path / "out", vocab_size=256, seq_len=16, val_fraction=0.001, progress=False)
     assert m["splits"]["val"]["sequences"] >= 1 and m["splits"]["train"]["sequences"] >= 1
     # The rule: the first documents go to val until it holds one sequence; train keeps the rest.
-    tok, sep = load_tokenizer(tmp_path / "out" / "tokenizer.json"), m["special_tokens"]["sep"]
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     assert tok.decode(sum(_rows(tmp_path / "out", "val"), [])).startswith("Paragraph 0 about some")
     assert "Paragraph 0 " not in tok.decode(sum(_rows(tmp_path / "out", "train"), []))
     assert load_manifest(tmp_path / "out", verify=True)["tokenizer_sha256"] == m["tokenizer_sha256"]

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, TINY, ember_cmd
+from conftest import REPO, TINY
 from ember.cli import main
 
 
