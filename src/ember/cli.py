@@ -27,6 +27,10 @@ def _cmd_train(args) -> int:
     if summary["status"] == "interrupted":
         print("stopped early; continue with the same command and --resume", file=sys.stderr)
         return 128 + (signal.SIGINT if trainer.stopped_by is None else trainer.stopped_by)
+    if summary["status"] == "stopped on a loss spike":
+        print("the loss spiked or stopped being finite (metrics.jsonl says where); the newest checkpoint "
+              "before it is intact, so --resume continues from there", file=sys.stderr)
+        return 1
     return 0
 
 

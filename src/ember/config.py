@@ -99,6 +99,12 @@ class TrainConfig:
     # Seconds a collective waits for the other ranks before the job ends with an error: a
     # rank that died or hangs stops the run instead of holding every GPU until the scheduler does.
     timeout_s: float = 600.0
+    # A non-finite loss or a loss spike (above the mean of the last spike_window steps by
+    # spike_sigma standard deviations): "rollback" to the newest checkpoint before it and
+    # skip the data up to it, "stop" without saving, or "off". Checked on logged steps.
+    on_spike: str = "rollback"
+    spike_sigma: float = 6.0
+    spike_window: int = 100
     # Profile the logged steps for where the time goes (compute, exposed communication,
     # pipeline bubble): auto = under torchrun only, where there is communication to see.
     breakdown: str = "auto"  # auto, on, off
@@ -146,6 +152,7 @@ _CHOICES = {
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
+    "train.on_spike": ("rollback", "stop", "off"),
 }
 
 
@@ -164,6 +171,8 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "train.keep_checkpoints": (1, math.inf, True, False),
     "train.seed": (0, math.inf, True, False),
     "train.timeout_s": (0.0, math.inf, False, False),
+    "train.spike_sigma": (0.0, math.inf, False, False),
+    "train.spike_window": (4, math.inf, True, False),
     "data.seed": (0, math.inf, True, False),
     "schedule.batch_start": (0, math.inf, True, False),
 }

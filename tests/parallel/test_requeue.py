@@ -86,3 +86,22 @@ def test_a_killed_rank_ends_the_attempt_and_the_restart_continues(dataset, tmp_p
     assert "resuming from" in err and "step 20" in err
     assert _steps(out) == list(range(1, 61))
     assert (out / "model.safetensors").exists()
+
+
+def test_a_spike_on_one_rank_rolls_every_rank_back(dataset, tmp_path):
+    """ZeRO-1 x2 under torchrun: only rank 1's weights go bad, the reduced loss is NaN on
+    both, both roll back to step 20 and finish."""
+    out = tmp_path / "run"
+    sets = [f"model.{k}" for k in ()] + TINY + [
+        "model.objective=causal", "train.budget=40steps", "train.checkpoint_every=10steps",
+        "train.eval_every=1000steps", "parallel.zero=1", "train.device=cpu"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests/parallel/spike_worker.py"), str(dataset), str(out), *sets]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks == [{"status": "finished", "calls": 45}] * 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    [event] = [r for r in records if r.get("event")]
+    assert event["spike_step"] == 25 and event["checkpoint_step"] == 20 and event["action"] == "rollback"
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 41))

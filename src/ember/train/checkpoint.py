@@ -89,6 +89,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def step_of(path: Path) -> int:
+    return int(Path(path).name[len(PREFIX):])
+
+
 def latest(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None

@@ -33,6 +33,12 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def rewind(self, step: int) -> None:
+        """Drop the records after `step` (a rollback runs those steps again)."""
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.path, "a")
+
     def close(self) -> None:
         self._file.close()
 
@@ -41,6 +47,9 @@ class NoLog:
     """The metrics log of ranks other than 0."""
 
     def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
         pass
 
     def close(self) -> None:

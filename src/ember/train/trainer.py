@@ -10,6 +10,7 @@ Everything a run is checked against (config, data, layout, run directory) is set
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +36,7 @@ from ember.train.evaluation import Evaluator
 from ember.train.inputs import Inputs
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
 from ember.train.model_file import save_model
-from ember.train.policies import STOP, Every, Policy, StepResult, StopOnSignal
+from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, resolve
 
@@ -66,6 +67,10 @@ class Trainer:
         self.resume_requested = resume
         self.show_progress = progress and self.rank == 0
         self.policies: list[Policy] = []  # per-step policies beside the stop on signals
+        self.guard = None
+        if cfg.train.on_spike != "off":
+            self.guard = SpikeGuard(cfg.train.on_spike, cfg.train.spike_sigma, cfg.train.spike_window)
+            self.policies.append(self.guard)
         self.stopped_by: int | None = None  # the signal that stopped the run, if any
 
     # ---- pieces -------------------------------------------------------------------
@@ -194,9 +199,15 @@ class Trainer:
                 bar.update(progress.fraction(self.budget), _bar_stats(record))
             if self.evaluate.due(progress):
                 self._log_eval(progress, log)
-            if STOP in [policy.after_step(StepResult(progress, signal)) for policy in policies]:
+            result = StepResult(progress, signal, loss, logged, self.train_data.position)
+            decisions = [policy.after_step(result) for policy in policies]
+            if STOP in decisions:
                 self.save(progress)
                 return "interrupted"
+            if HALT in decisions or (ROLLBACK in decisions and not self._roll_back(progress, log, bar)):
+                return "stopped on a loss spike"
+            if ROLLBACK in decisions:
+                continue
             if checkpoints.due(progress):
                 self.save(progress)
                 checkpoints.done(progress)
@@ -204,6 +215,34 @@ class Trainer:
             self._log_eval(progress, log)
         self.save(progress)
         return "finished"
+
+    def _roll_back(self, progress: Progress, log, bar: ProgressBar) -> bool:
+        """Load the newest checkpoint before the spike into the running engine and skip the
+        data up to the spike (what the BLOOM and OPT teams did by hand). False when there is
+        no such checkpoint. The clock keeps running: a time budget counts the lost steps."""
+        spike = self.guard.spike
+        before = [p for p in checkpoint.list_checkpoints(self.run_dir) if checkpoint.step_of(p) < spike.step]
+        record = {"step": progress.step, "event": "loss spike", "spike_step": spike.step,
+                  "spike_loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss),
+                  "reason": spike.reason}
+        if not before:
+            log.write(record | {"action": "stop: no checkpoint before the spike"})
+            bar.print(f"step {spike.step}: {spike.reason}; no checkpoint before it to roll back to, stopping")
+            return False
+        elapsed = progress.elapsed_s
+        state = checkpoint.load(before[-1], self.engine.parts, self.engine.optimizers, self.layout())
+        for key, value in state["progress"].items():
+            setattr(progress, key, value)
+        progress.elapsed_s = elapsed
+        self.train_data.load_state_dict(state["data"])
+        skipped = spike.data_position - self.train_data.position
+        self.train_data.position = spike.data_position
+        self.guard.rolled_back()
+        log.rewind(progress.step)
+        log.write(record | {"action": "rollback", "checkpoint_step": progress.step, "skipped_sequences": skipped})
+        bar.print(f"step {spike.step}: {spike.reason}; rolled back to step {progress.step} and skipped "
+                  f"{skipped} sequences of data")
+        return True
 
     def _batch_unit(self) -> int:
         """What a step's size must be a multiple of, however a batch ramp rounds: whole
