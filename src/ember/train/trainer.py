@@ -9,6 +9,7 @@ Everything a run is checked against (config, data, layout, run directory) is set
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -289,6 +290,12 @@ class Trainer:
         if self.topo.is_main:
             write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
+
+    def release(self) -> None:
+        """Drop the model, engine and data: what holds communication state (pipeline schedules,
+        FSDP) goes while the process group it talks over is still alive, not at exit."""
+        self.engine = self.model = self.optimizer = self.evaluate = self.train_data = None
+        gc.collect()
 
     def layout(self) -> dict[str, int]:
         """The parallel degrees that decide which rank draws which random numbers; a

@@ -103,6 +103,7 @@ def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: 
         trainer = Trainer(cfg, data, Path(scratch) / "run", progress=False)
         trainer.build()
         mine = measure(trainer, steps, warmup)
+        trainer.release()
     ranks = [mine]
     if trainer.world > 1:
         import torch.distributed as dist
