@@ -14,9 +14,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 
 class MetricsLog:
-    """Appends one line per record and flushes it, so a killed run keeps its history."""
+    """Appends one line per record and flushes it, so a killed run keeps its history; each
+    record also goes to the experiment trackers (`ember.train.trackers`)."""
 
-    def __init__(self, path: Path, resume_step: int | None = None):
+    def __init__(self, path: Path, resume_step: int | None = None, trackers: list | None = None):
+        self.trackers = trackers or []
         self.path = Path(path)
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
@@ -32,15 +34,21 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def rewind(self, step: int) -> None:
         """Drop the records after `step` (a rollback runs those steps again)."""
         self._file.close()
         self._truncate_after(step)
         self._file = open(self.path, "a")
+        for tracker in self.trackers:
+            tracker.rewind(step)
 
     def close(self) -> None:
         self._file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class NoLog:

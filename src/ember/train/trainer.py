@@ -39,6 +39,7 @@ from ember.train.metrics import MetricsLog, NoLog, ProgressBar
 from ember.train.model_file import save_model
 from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
 from ember.train.schedule import Progress, batch_size, lr_factor
+from ember.train.trackers import open_trackers
 from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, resolve
 
 
@@ -152,8 +153,9 @@ class Trainer:
             self.train_data.load_state_dict(state["data"])
         if self.topo.is_main:
             self._write_run_files()
-        log = (MetricsLog(self.run_dir / "metrics.jsonl",
-                          resume_step=progress.step if self.resume_from is not None else None)
+        resume_step = progress.step if self.resume_from is not None else None
+        log = (MetricsLog(self.run_dir / "metrics.jsonl", resume_step=resume_step,
+                          trackers=open_trackers(self.cfg.train.trackers, self.run_dir, to_toml(self.cfg), resume_step))
                if self.topo.is_main else NoLog())
         bar = ProgressBar(self.show_progress, f"{self.cfg.model.objective} {self.budget}")
         if self.resume_from is not None and self.topo.is_main:

@@ -1,0 +1,60 @@
+"""TensorBoard beside metrics.jsonl: event files read back with TensorBoard's own reader hold
+every logged step once, also after a resume; a tracker that cannot start is a warning."""
+
+import json
+import shutil
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import REPO, TINY
+from ember.config import ConfigError, load_config
+from ember.train.trainer import Trainer
+
+RECIPE = REPO / "configs/tiny-gpt.toml"
+
+
+def _run(dataset, out, budget, resume=False, *sets):
+    cfg = load_config(RECIPE, TINY + ["train.trackers=[tensorboard]", "train.eval_every=5steps",
+                                      "train.checkpoint_every=5steps", f"train.budget={budget}", *sets])
+    return Trainer(cfg, dataset, out, resume=resume, progress=False).run()
+
+
+def _scalars(out, tag):
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_tensorboard_holds_every_logged_value_also_after_a_resume(dataset, tmp_path):
+    out = tmp_path / "run"
+    _run(dataset, out, "8steps")
+    shutil.rmtree(out / "checkpoints" / "step_00000008")  # the resume goes back to step 5: 6-8 run again
+    _run(dataset, out, "12steps", resume=True)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    assert [s for s, _ in _scalars(out, "loss")] == [s for s, _ in losses] == list(range(1, 13))
+    assert [v for _, v in _scalars(out, "loss")] == pytest.approx([v for _, v in losses], rel=1e-6)
+    assert [s for s, _ in _scalars(out, "val_loss")] == [r["step"] for r in records if "val_loss" in r]
+    for tag in ("lr", "grad_norm", "tokens_per_s"):
+        assert len(_scalars(out, tag)) == 12
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert any("config" in tag for tag in events.Tags()["tensors"])
+
+
+def test_a_tracker_that_cannot_start_is_a_warning(dataset, tmp_path, monkeypatch):
+    import torch.utils.tensorboard
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", broken)
+    with pytest.warns(UserWarning, match="the tensorboard tracker did not start"):
+        summary = _run(dataset, tmp_path / "run", "3steps")
+    assert summary["status"] == "finished"
+
+
+def test_an_unknown_tracker_is_refused():
+    with pytest.raises(ConfigError, match="train.trackers takes"):
+        load_config(RECIPE, ["train.trackers=[mlflow]"])
