@@ -10,13 +10,21 @@ from ember.config import ConfigError
 from ember.train.metrics import read_metrics
 
 
+_TRAIN_KEYS = ("step", "tokens", "loss", "tokens_per_s")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _load(run_dir: Path) -> tuple[list[dict], list[dict]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"{run_dir} has no metrics.jsonl; give the --out folder of an `ember train` run.")
     records = read_metrics(path)
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "val_loss" in r]
+    # Only records of the shape the trainer writes: a damaged or foreign line is left out.
+    train = [r for r in records if all(_number(r.get(k)) for k in _TRAIN_KEYS)]
+    evals = [r for r in records if _number(r.get("val_loss")) and _number(r.get("tokens"))]
     if not train:
         raise ConfigError(f"{path} holds no logged steps yet; let the run log at least once.")
     return train, evals

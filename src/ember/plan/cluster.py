@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,12 +97,26 @@ def _known_gpu(name: str) -> GPU:
     return gpu
 
 
-def _fields(cls, values: dict, where: str) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)} - {"pattern"}
-    unknown = set(values) - names
+def _fields(cls, values, where: str) -> dict:
+    """`values` checked against the fields of `cls`: known names, and each value of its
+    field's kind (a number for numbers, true/false for flags, text for names)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a JSON object of fields, not {type(values).__name__}.")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "pattern"}
+    unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(f"{where} has unknown field(s) {', '.join(sorted(unknown))}; "
-                          f"it takes {', '.join(sorted(names))}.")
+                          f"it takes {', '.join(sorted(fields))}.")
+    for name, value in values.items():
+        kind = str(fields[name].type)
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind in ("int", "float"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"{where}: {name} = {value!r} is not a valid value for it.")
     return values
 
 
@@ -117,7 +132,7 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
         raise ConfigError(f"profile file {path} is not valid JSON ({err}).") from None
     if not isinstance(data, dict) or data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
         raise ConfigError(f"profile file {path} is not an {PROFILE_FORMAT} file.")
-    gpu_values = dict(data.get("gpu") or {})
+    gpu_values = dict(_fields(GPU, data.get("gpu") or {}, f"{path} gpu"))
     if "name" not in gpu_values:
         raise ConfigError(f"profile file {path} must name its GPU (gpu.name).")
     base = gpu_by_name(gpu_values["name"])
