@@ -69,11 +69,20 @@ def matmul_params(cfg: ModelShape) -> dict[str, int]:
     }
 
 
+def block_forward_flops_per_token(cfg: ModelShape, seq_len: int) -> float:
+    """Forward-pass FLOPs per token of one block: its projections and its attention."""
+    return 2.0 * matmul_params(cfg)["layer"] + 4.0 * cfg.hidden * seq_len
+
+
+def output_forward_flops_per_token(cfg: ModelShape, predicted_fraction: float = 1.0) -> float:
+    """Forward-pass FLOPs per input token of the output projection."""
+    return 2.0 * matmul_params(cfg)["output"] * predicted_fraction
+
+
 def forward_flops_per_token(cfg: ModelShape, seq_len: int, predicted_fraction: float = 1.0) -> float:
     """Forward-pass model FLOPs per input token (one third of a training step's)."""
-    params = matmul_params(cfg)
-    return (2.0 * params["layers"] + 2.0 * params["output"] * predicted_fraction
-            + 4.0 * cfg.layers * cfg.hidden * seq_len)
+    return (cfg.layers * block_forward_flops_per_token(cfg, seq_len)
+            + output_forward_flops_per_token(cfg, predicted_fraction))
 
 
 def model_flops_per_token(cfg: ModelShape, seq_len: int, predicted_fraction: float = 1.0) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch.distributed import pipelining
 
 from ember.config import Config, ConfigError
-from ember.cost import matmul_params
+from ember.cost import block_forward_flops_per_token, output_forward_flops_per_token
 
 # schedule -> (several stages per rank, stage placement, class in torch.distributed.pipelining).
 # "loop": rank r holds stages r, r + pp, ...; "v": rank r holds stages r and 2pp - 1 - r.
@@ -250,9 +250,8 @@ def balanced_split(model, stages: int) -> tuple[int, ...]:
     be: a block costs its forward FLOPs per token (`ember.cost`), the last stage also pays for
     the output layer (on the tokens it predicts), so it takes fewer blocks. The embedding is
     a lookup, not a matmul, and costs the first stage nothing."""
-    seq = getattr(model, "max_seq_len", 0)
-    block = 2 * matmul_params(model)["layer"] + 4 * model.hidden * seq
-    head = 2 * matmul_params(model)["output"] * getattr(model, "predicted_fraction", 1.0)
+    block = block_forward_flops_per_token(model, getattr(model, "max_seq_len", 0))
+    head = output_forward_flops_per_token(model, getattr(model, "predicted_fraction", 1.0))
     return _balanced(model.layers, stages, block, head)
 
 

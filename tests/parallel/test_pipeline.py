@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ember.config import ModelConfig
-from ember.cost import matmul_params
+from ember.cost import block_forward_flops_per_token, output_forward_flops_per_token
 from ember.model import Transformer
 from ember.layout import Layout, available_schedules, problems
 from ember.parallel.stages import split_model
@@ -93,8 +93,9 @@ def test_uneven_stages_minimise_the_slowest_stage(layers, stages, vocab):
     """Against every way of cutting the layers: no split has a cheaper slowest stage, where a
     block costs its forward FLOPs per token and the last stage adds the output layer's."""
     model = ModelConfig(layers=layers, vocab_size=vocab, hidden=256, heads=4, mlp_hidden=1024, max_seq_len=128)
-    block = 2 * matmul_params(model)["layer"] + 4 * model.hidden * model.max_seq_len
-    head = 2 * matmul_params(model)["output"]
+    # Block and output-layer costs from the cost model, the one the split must balance.
+    block = block_forward_flops_per_token(model, model.max_seq_len)
+    head = output_forward_flops_per_token(model)
 
     def slowest(split):
         return max(n * block + (head if i == len(split) - 1 else 0) for i, n in enumerate(split))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -49,25 +50,19 @@ def initial_value(cfg: ModelConfig, name: str, shape: torch.Size, seed: int,
     return torch.randn(shape, generator=generator, device=device).mul_(std)
 
 
-@torch.no_grad()
-def init_weights(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Give every parameter of `module` (the plain model, a stage of it, or either wrapped
-    for tensor or data parallelism, whose names keep the plain model's) its initial value.
-    A sharded parameter (DTensor) gets its own slice of the whole value, cut locally."""
-    for name, param in module.named_parameters():
-        name = plain_name(name)
-        device = param.device if not param.is_meta else torch.device("cpu")
-        if hasattr(param, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor  # only sharded runs import it
+def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value)
 
-            whole = initial_value(cfg, name, param.shape, seed, param.to_local().device)
-            # Every rank computes the same whole value, so each cuts its slice without
-            # communication (src_data_rank=None); one parameter at a time is held whole.
-            param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements,
-                                                     src_data_rank=None).to_local())
-            del whole
-        else:
-            param.copy_(initial_value(cfg, name, param.shape, seed, device))
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: ModelConfig, seed: int,
+                 assign: Callable[[torch.Tensor, torch.Tensor], None] = _copy) -> None:
+    """Give every parameter of `module` (the plain model, or a stage of it, whose names keep
+    the plain model's) its initial value. `assign(param, value)` writes the whole value into
+    the parameter; code that holds parameters sharded passes one that keeps its own slice
+    (`ember.parallel.materialize`)."""
+    for name, param in module.named_parameters():
+        assign(param, initial_value(cfg, name, param.shape, seed, param.device))
 
 
 @torch.no_grad()
@@ -81,10 +76,3 @@ def init_buffers(module: nn.Module, cfg: ModelConfig) -> None:
     if isinstance(table, torch.Tensor) and not table.is_meta:
         table.copy_(sinusoidal_table(cfg.max_seq_len, cfg.hidden))
 
-
-def plain_name(name: str) -> str:
-    """The plain model's name of a parameter seen through wrappers (torch.compile's
-    `_orig_mod.`, activation checkpointing's `_checkpoint_wrapped_module.`)."""
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name

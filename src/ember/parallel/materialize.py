@@ -16,9 +16,11 @@ import gc
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ember.config import ModelConfig
 from ember.model.init import init_buffers, init_weights
+from ember.parallel.dtensor import local_tensor
 
 
 @contextlib.contextmanager
@@ -33,6 +35,14 @@ def _swap_on_conversion():
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+def _keep_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Write this rank's slice of the whole value. Every rank computed the same whole value,
+    so each cuts its own without communication (src_data_rank=None)."""
+    if isinstance(param, DTensor):
+        whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+    local_tensor(param).copy_(local_tensor(whole))
+
+
 def is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters())
 
@@ -42,7 +52,7 @@ def materialize(module: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
     """Allocate `module`'s parameters and buffers on `device` and initialise them by name."""
     with _swap_on_conversion():
         module.to_empty(device=device)
-    init_weights(module, cfg, seed)
+    init_weights(module, cfg, seed, assign=_keep_slice)
     init_buffers(module, cfg)
     # The whole values cut to this rank's slices leave reference cycles behind (DTensor
     # wrappers); without a collection their memory stays held into the first steps.
