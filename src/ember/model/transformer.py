@@ -11,8 +11,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.model.init import init_buffers, init_weights
 from ember.model.layers import Block, attention_mask, make_norm, sinusoidal_table
-
-IGNORE = -100  # label of positions that predict nothing (the data side's convention)
+from ember.model.loss import IGNORE, OutputLayer
 
 
 class Transformer(nn.Module):
@@ -37,7 +36,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
         self.norm = make_norm(cfg)
-        self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False)
+        self.head = OutputLayer(cfg.hidden, cfg.padded_vocab)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.reset_parameters()
@@ -90,11 +89,16 @@ class Transformer(nn.Module):
         return self.drop(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                reduction: str = "mean", document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                reduction: str = "mean", document_ids: torch.Tensor | None = None,
+                target_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Without labels: logits [B, T, padded_vocab]. With labels: the cross-entropy over
         positions whose label is not -100, averaged ("mean") or summed ("sum"; the
-        trainer divides by the targets of a whole step, across accumulation and ranks).
-        `document_ids` [B, T]: attend only within each document (see `trunk`)."""
+        trainer divides by the targets of a whole step, across accumulation and ranks),
+        computed in chunks that never hold the full logits (`ember.model.loss`).
+        `document_ids` [B, T]: attend only within each document (see `trunk`).
+        `target_positions`: for a masked LM with sparse prediction, the flat indices
+        (into B x T) of the labelled positions, made where the labels were made; without
+        them the model finds them itself, which waits for the device (a host sync)."""
         h = self.trunk(input_ids, document_ids=document_ids)
         if self.head is None:  # a pipeline stage before the last
             return h
@@ -103,8 +107,26 @@ class Transformer(nn.Module):
         if self.cfg.objective == "mlm" and self.cfg.sparse_prediction:
             # Only masked positions are predicted, so only they pass through the largest
             # matmul of a masked LM; norm is per token, so gathering first changes nothing.
-            keep = labels != IGNORE
-            h, labels = h[keep], labels[keep]
-        logits = self.head(self.norm(h))
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               ignore_index=IGNORE, reduction=reduction)
+            h, labels = labelled_positions(h, labels, target_positions)
+        h = self.norm(h)
+        if self.head.vocab_parallel:  # logits sharded on the vocabulary: a cross-entropy made for them
+            logits = self.head(h)
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=IGNORE, reduction=reduction)
+        return self.head(h, labels, reduction)
+
+
+def labelled_positions(h: torch.Tensor, labels: torch.Tensor,
+                       positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states [N, hidden] and labels [N] of the labelled positions of h [B, T,
+    hidden], in row-major order."""
+    if positions is None:
+        keep = labels != IGNORE
+        return h[keep], labels[keep]
+    return h.reshape(-1, h.shape[-1]).index_select(0, positions), labels.reshape(-1).index_select(0, positions)
+
+
+def target_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The flat indices of `labels` [B, T] that are not -100: on the host, where the
+    labels are made, so that the device never reports a count back."""
+    return (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)

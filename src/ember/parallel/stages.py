@@ -21,6 +21,7 @@ import collections
 import torch
 from torch import nn
 
+from ember.model.loss import OutputLayer
 from ember.model.transformer import Transformer
 from ember.parallel.dtensor import local_tensor
 
@@ -46,8 +47,8 @@ class StageModule(Transformer):
         if self.is_last and cfg.tie_embeddings and not self.is_first:
             # The embedding lives on the first stage; this one gets its own copy (the
             # pipeline engine keeps the two copies' gradients summed).
-            self.head = nn.Linear(cfg.hidden, cfg.padded_vocab, bias=False,
-                                  device=model.head.weight.device, dtype=model.head.weight.dtype)
+            self.head = OutputLayer(cfg.hidden, cfg.padded_vocab, device=model.head.weight.device,
+                                    dtype=model.head.weight.dtype)
             with torch.no_grad():
                 self.head.weight.copy_(model.head.weight)
         # Labels of the micro-batches still to run (last stage only); see the module doc.

@@ -41,11 +41,6 @@ from torch.distributed.tensor.parallel import (
 from ember.parallel.recompute import blocks_of
 
 
-# Set on an output layer whose logits are vocabulary-sharded: its loss and backward must
-# run under loss_parallel (found again through any wrapper by walking .modules()).
-_LOSS_PARALLEL_MARK = "_ember_loss_parallel"
-
-
 def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Splits, in place, whichever of `embed`, `pos_embed`, `blocks`, `norm` and `head` the
     module has (the whole
@@ -84,7 +79,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
         # Logits stay sharded on the vocabulary (a DTensor) for loss_parallel.
         parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                           use_local_output=False))
-        setattr(head, _LOSS_PARALLEL_MARK, True)
+        # The model then takes the cross-entropy of these logits, which must run (with
+        # its backward) under loss_parallel; found again through any wrapper via .modules().
+        head.vocab_parallel = True
         if tied:
             # Both layers shard the [vocab, hidden] weight on the vocabulary (Shard(0)),
             # so one Parameter serves both, as before.
@@ -114,7 +111,7 @@ def loss_parallel_context(module_or_flag: Any) -> contextlib.AbstractContextMana
     if isinstance(module_or_flag, bool):
         active = module_or_flag
     else:
-        active = any(getattr(m, _LOSS_PARALLEL_MARK, False) for m in module_or_flag.modules())
+        active = any(getattr(m, "vocab_parallel", False) for m in module_or_flag.modules())
     return loss_parallel() if active else contextlib.nullcontext()
 
 
