@@ -59,6 +59,7 @@ class DataConfig:
     document_mask: bool = False
     order: str = "shuffle"  # or "curriculum": first epoch in ascending key order (prepare --curriculum)
     verify: bool = True  # hash every shard (and its companions) against the manifest before training
+    prefetch: bool = True  # make the next step's batch on a background thread while this one runs
 
 
 @dataclass

@@ -28,6 +28,18 @@ def pick_device(name: str = "auto") -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device (kernels and allocations of `cuda` without
+    an index land there, not on GPU 0), and let fp32 matmuls use TF32 tensor cores, as
+    nanoGPT and most training code do: 10 mantissa bits in the multiply, fp32 accumulation."""
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    # The fp32_precision settings replace allow_tf32 from PyTorch 2.9 (the old flags warn).
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """bf16 autocast on CUDA by default; fp32 (None) elsewhere unless asked for."""
     if precision == "fp32" or (precision == "auto" and device.type != "cuda"):

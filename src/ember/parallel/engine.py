@@ -34,9 +34,12 @@ class Engine:
     timer: PhaseTimer = NO_TIMER  # the trainer's; engines that can split their work time it
 
     # `document_ids` (rows x sequence, or None) keeps attention inside each document;
-    # layouts whose engine cannot carry it are refused by `ember.layout`.
+    # layouts whose engine cannot carry it are refused by `ember.layout`. `positions`: per
+    # micro-batch of `micro_batch` rows, the flat indices of its labelled positions (a
+    # masked LM's sparse prediction), made on the host so the device never reports them.
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         document_ids: torch.Tensor | None = None,
+                         positions: list[torch.Tensor] | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
@@ -53,6 +56,10 @@ def _documents(document_ids: torch.Tensor | None, start: int, end: int) -> dict:
     return {} if document_ids is None else {"document_ids": document_ids[start:end]}
 
 
+def _positions(positions: list[torch.Tensor] | None, index: int) -> dict:
+    return {} if positions is None else {"target_positions": positions[index]}
+
+
 class LocalEngine(Engine):
     """One module on this rank: a whole model alone, or under data and tensor parallelism.
     Micro-batches accumulate gradients; with ZeRO-0/1 only the last one reduces them."""
@@ -66,7 +73,8 @@ class LocalEngine(Engine):
         self.data_parallel, self.loss_context, self.grad_scale = data_parallel, loss_context, grad_scale
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         document_ids: torch.Tensor | None = None,
+                         positions: list[torch.Tensor] | None = None) -> torch.Tensor:
         dp = self.data_parallel
         factor = scale * self.grad_scale
         total = torch.zeros((), device=self.device)
@@ -78,7 +86,7 @@ class LocalEngine(Engine):
             with self.loss_context():
                 with self.timer.phase("forward"), autocast(self.device, self.amp_dtype):
                     part = self.module(inputs[start:end], labels[start:end], reduction="sum",
-                                       **_documents(document_ids, start, end))
+                                       **_documents(document_ids, start, end), **_positions(positions, i))
                 with self.timer.phase("backward"):
                     (part * factor).backward()
             total += local_tensor(part.detach()).float()

@@ -147,14 +147,15 @@ class PipelineEngine:
     # ---- the engine interface ----------------------------------------------------
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, scale: float,
-                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                         document_ids: torch.Tensor | None = None,
+                         positions: list[torch.Tensor] | None = None) -> torch.Tensor:
         _no_documents(document_ids)
         n_micro = inputs.shape[0] // self.micro_batch  # whole micro-batches: the trainer's ramp rounds to them
         schedule = self._schedule(n_micro, inputs, labels)
         self._scale = scale * self.grad_scale
         if self.last is not None:
             # The same split as the schedule's, so the loss function can check the labels.
-            self.last.queue_labels(list(labels.tensor_split(n_micro)))
+            self.last.queue_labels(list(labels.tensor_split(n_micro)), positions)
         args = (inputs,) if self.first is not None else ()
         target = labels if self.last is not None else None
         with self._loss_context():

@@ -52,7 +52,7 @@ class StageModule(Transformer):
             with torch.no_grad():
                 self.head.weight.copy_(model.head.weight)
         # Labels of the micro-batches still to run (last stage only); see the module doc.
-        self.pending_labels: collections.deque[torch.Tensor] = collections.deque()
+        self.pending_labels: collections.deque[tuple] = collections.deque()
         self.last_labels_ptr: int | None = None
         self.sums: list[torch.Tensor] = []  # detached sum-losses of this step's micro-batches
 
@@ -61,16 +61,18 @@ class StageModule(Transformer):
             return self.trunk(x)
         if not self.pending_labels:
             raise RuntimeError("the last pipeline stage ran a micro-batch it was given no labels for")
-        labels = self.pending_labels.popleft()
+        labels, positions = self.pending_labels.popleft()
         self.last_labels_ptr = labels.data_ptr()
-        loss = local_tensor(super().forward(x, labels, reduction="sum"))  # replicated under loss_parallel
+        # replicated under loss_parallel
+        loss = local_tensor(super().forward(x, labels, reduction="sum", target_positions=positions))
         self.sums.append(loss.detach())
         # [1], not a scalar: older schedules concatenate the last stage's outputs on dim 0.
         return torch.stack([loss])  # a new tensor: FSDP warns about views returned from forward
 
-    def queue_labels(self, chunks: list[torch.Tensor]) -> None:
+    def queue_labels(self, chunks: list[torch.Tensor], positions: list[torch.Tensor] | None = None) -> None:
+        """The labels of the coming micro-batches, and (sparse MLM) their labelled positions."""
         self.pending_labels.clear()
-        self.pending_labels.extend(chunks)
+        self.pending_labels.extend(zip(chunks, positions or [None] * len(chunks)))
         self.sums = []
 
 

@@ -26,7 +26,7 @@ from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
 from ember.layout import SCHEDULES, check_run
 from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes, pick_device,
-                          reset_peak_memory)
+                          reset_peak_memory, use_device)
 from ember.model import Transformer
 from ember.parallel.engine import build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
@@ -34,7 +34,7 @@ from ember.train import checkpoint
 from ember.train.breakdown import StepProfiler, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
 from ember.train.evaluation import Evaluator
-from ember.train.inputs import Inputs
+from ember.train.inputs import Inputs, Prefetcher
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
 from ember.train.model_file import save_model
 from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
@@ -60,6 +60,7 @@ class Trainer:
         self.device = pick_device(cfg.train.device)
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
+        use_device(self.device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
         if self.amp_dtype is not None and self.device.type == "cpu":
             raise ConfigError("train.precision=bf16 is for GPUs; use fp32 or auto on a CPU.")
@@ -101,9 +102,11 @@ class Trainer:
         if self.dp_size > 1:  # dropout: other rows, other draws
             torch.manual_seed(cfg.train.seed + 1 + self.dp_rank)
         docs = cfg.data.document_mask  # then batches carry document ids
-        self.train_data = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed,
-                                  rank=self.dp_rank, world=self.dp_size, documents=docs, order=cfg.data.order)
         self.inputs = Inputs(cfg, self.manifest, self.device)
+        batches = Batches(self.data_dir, self.manifest, "train", seed=cfg.data.seed,
+                          rank=self.dp_rank, world=self.dp_size, documents=docs, order=cfg.data.order)
+        self.train_data = Prefetcher(batches, self.inputs, cfg.data.seed, self.dp_rank, self.dp_size,
+                                     ahead=cfg.data.prefetch)
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs)
         self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo)
         self.peak = device_peak_flops(self.device)
@@ -118,16 +121,13 @@ class Trainer:
         for optimizer in self.engine.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        # This rank's rows are global rows first_row.. of the step (masks hash the global row).
-        first_row = self.train_data.position + self.dp_rank * (n_sequences // self.dp_size)
-        ids, docs = self.train_data.next(n_sequences)
-        inputs, labels, local = self.inputs(ids, self.cfg.data.seed, first_row)
+        batch = self.train_data.next(n_sequences)
         # Normalise by the targets of the whole global batch, so that accumulation and data
         # parallelism equal one big batch on one device; summed on the host (gloo).
-        count = int(self.topo.all_reduce(torch.tensor([local], dtype=torch.int64), ("dp",)))
+        count = int(self.topo.all_reduce(torch.tensor([batch.count], dtype=torch.int64), ("dp",)))
         with self.timer.phase("forward_backward"):
-            loss_sum = self.engine.forward_backward(inputs, labels, 1.0 / count,
-                                                    document_ids=self.inputs.to_device(docs))
+            loss_sum = self.engine.forward_backward(batch.inputs, batch.labels, 1.0 / count,
+                                                    document_ids=batch.document_ids, positions=batch.positions)
         with self.timer.phase("optimizer"):
             clip = self.cfg.optim.clip
             norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
@@ -296,6 +296,8 @@ class Trainer:
     def release(self) -> None:
         """Drop the model, engine and data: what holds communication state (pipeline schedules,
         FSDP) goes while the process group it talks over is still alive, not at exit."""
+        if getattr(self, "train_data", None) is not None:
+            self.train_data.close()
         self.engine = self.model = self.optimizer = self.evaluate = self.train_data = None
         gc.collect()
 
