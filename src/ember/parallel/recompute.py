@@ -6,10 +6,12 @@ and checkpoints, tensor-parallel plans and FSDP see the same tree in every layou
 
 - full: every block keeps only its input; its activations are recomputed in backward.
 - selective: every block keeps the outputs of its matrix multiplications (the q/k/v, output
-  and MLP projections) and recomputes everything else: the attention core (scores,
-  softmax, the weighted sum), norms, activations and dropout. The projections are most of
-  the compute and the attention core most of the memory per FLOP (Korthikanti et al.,
-  the policy `ember plan` models as "selective").
+  and MLP projections), of its fused attention kernel and of its tensor-parallel
+  collectives, and recomputes the rest: norms, activations, rotary, dropout. Backward then
+  reruns no matmul, no attention and no communication, only memory-bound elementwise work
+  (torchtitan's op-level policy). A fused attention kernel never stores the T x T scores,
+  so recomputing it (Korthikanti et al.'s selective recomputation) would save only its
+  [B, T, hidden] output for a second pass of the most expensive kernel of long sequences.
 
 `every = k` applies the policy to blocks 0, k, 2k, ... only, counted by the plain model's
 layer index, so a pipeline stage holding blocks 6..8 picks the same blocks the whole model
@@ -27,7 +29,18 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # Saved under `selective`; every other op of the block is recomputed.
-_KEEP = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_KEEP = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+    # Whichever kernel SDPA picks: FlashAttention, memory-efficient, cuDNN, the CPU's.
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Tensor parallelism's collectives inside a block (DTensor issues them functionally).
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
 
 
 def blocks_of(module: nn.Module) -> list[tuple[int, nn.Module]]:
