@@ -107,8 +107,9 @@ class TrainConfig:
     trackers: list[str] = field(default_factory=list)  # experiment trackers beside metrics.jsonl: "tensorboard"
     spike_sigma: float = 6.0
     spike_window: int = 100
-    # Profile the logged steps for where the time goes (compute, exposed communication,
-    # pipeline bubble): auto = under torchrun only, where there is communication to see.
+    # Profile logged steps for where the time goes (compute, exposed communication,
+    # pipeline bubble): on = every logged step; auto = one logged step in 10, under
+    # torchrun only, where there is communication to see.
     breakdown: str = "auto"  # auto, on, off
 
 

@@ -145,3 +145,11 @@ def test_a_profiler_that_cannot_start_leaves_training_running(monkeypatch):
     out = profiler.read()
     assert sorted(out) == sorted(breakdown.FIELDS) and all(v != v for v in out.values())  # NaN
     assert profiler.read() == {}
+
+
+def test_auto_profiles_one_logged_step_in_ten_under_torchrun_only():
+    from ember.train.breakdown import AUTO_EVERY, profiled
+
+    assert [i for i in range(1, 32) if profiled("auto", 4, i)] == [1, 1 + AUTO_EVERY, 1 + 2 * AUTO_EVERY, 31]
+    assert not any(profiled("auto", 1, i) for i in range(1, 32))
+    assert all(profiled("on", 1, i) for i in range(1, 32)) and not any(profiled("off", 8, i) for i in range(1, 32))

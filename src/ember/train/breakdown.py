@@ -115,6 +115,19 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+# Under `auto`, one logged step in this many is profiled: a profiled step pays for the
+# profiler's start and stop, a device synchronisation and the parsing of its trace.
+AUTO_EVERY = 10
+
+
+def profiled(mode: str, world: int, logged_index: int) -> bool:
+    """Whether the `logged_index`-th logged step (1, 2, ...) is profiled: `on` every one,
+    `auto` the first and then one in AUTO_EVERY, under torchrun only, `off` none."""
+    if mode == "on":
+        return True
+    return mode == "auto" and world > 1 and logged_index % AUTO_EVERY == 1
+
+
 class StepProfiler:
     """`with profiler.step(): ...` records the steps it is enabled for; `read()` returns
     the seconds of each part since the last read ({} when nothing was recorded)."""

@@ -31,7 +31,7 @@ from ember.model import Transformer
 from ember.parallel.engine import build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
 from ember.train import checkpoint
-from ember.train.breakdown import StepProfiler, reduce_over_ranks
+from ember.train.breakdown import StepProfiler, profiled, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
 from ember.train.evaluation import Evaluator
 from ember.train.inputs import Inputs, Prefetcher
@@ -176,7 +176,6 @@ class Trainer:
         clock, throughput = Clock(self.topo, progress.elapsed_s), Throughput(self.device, self.peak)
         self.evaluate.every = Every(parse_interval(t.eval_every, "train.eval_every"), progress)
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
-        breakdown = t.breakdown == "on" or (t.breakdown == "auto" and self.world > 1)
         self.last_loss = self.last_val = float("nan")
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
@@ -184,7 +183,8 @@ class Trainer:
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
             self.timer.enabled = (progress.step + 1) % t.log_every == 0
-            self.profiler.enabled = self.timer.enabled and breakdown
+            self.profiler.enabled = self.timer.enabled and profiled(t.breakdown, self.world,
+                                                                    (progress.step + 1) // t.log_every)
             throughput.start()
             with self.profiler.step():
                 loss, grad_norm, count = self.train_step(n, lr)
