@@ -94,7 +94,18 @@ def ember_overrides(family: str, s: dict, args) -> list[str]:
             f"train.micro_batch={s['mb']}", f"train.global_batch={s['mb']}", "train.log_every=5",
             "train.eval_every=100000steps", "train.eval_batches=4", "train.checkpoint_every=100000steps",
             "schedule.lr=constant", "schedule.warmup=0.05", "schedule.batch_start=0",
-            f"train.compile={str(args.compile).lower()}", f"train.device={args.device}"]
+            "train.compile=false", f"train.device={args.device}"]  # --compile: compile_layers, both sides
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile each transformer layer of either model the same way: the elements of
+    its largest nn.ModuleList (ember's blocks, BERT's encoder.layer, GPT-2's h, Llama's
+    layers). Returns how many were compiled."""
+    lists = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    layers = max(lists, key=len)
+    for layer in (layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers):
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
 
 
 def train_pair(family, data_dir, run_dir, overrides, seconds, models: dict) -> dict:
@@ -172,6 +183,10 @@ def main() -> int:
         ember_model = Transformer(cfg.model)
         torch.manual_seed(0)
         peer = HFLossAdapter(hf_model(family, shape, padded))
+        if args.compile:
+            compiled = {compile_layers(ember_model), compile_layers(peer)}
+            if len(compiled) != 1:
+                raise SystemExit(f"{family}: the two models compiled {sorted(compiled)} layers; expected the same")
         result = train_pair(family, data_dir, runs / family, overrides, args.seconds,
                             {"ember": ember_model, "transformers": peer})
         ours, theirs = result["ember"], result["transformers"]

@@ -132,3 +132,17 @@ def test_published_uneven_pipelines_are_priced_stage_by_stage(preset, text, gpus
     assert last.weights != middle.weights
     given = parse_layout(text + ",stage_layers=" + "/".join(map(str, split)), gpus)
     assert predict(spec, cluster, shape, given).step_time_s == pytest.approx(p.step_time_s)
+
+
+def test_compile_auto_means_cuda_except_zero_bubble_schedules():
+    from ember.layout import compiles
+
+    def cfg(*sets):
+        return load_config(RECIPE, list(sets))
+
+    assert compiles(cfg(), "cuda") and not compiles(cfg(), "cpu")
+    assert compiles(cfg("train.compile=true"), "cpu") and not compiles(cfg("train.compile=false"), "cuda")
+    assert not compiles(cfg("parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv"), "cuda")
+    assert compiles(cfg("parallel.pp=2", "parallel.schedule=interleaved"), "cuda")
+    with pytest.raises(ConfigError, match="train.compile must be one of auto, true, false"):
+        cfg("train.compile=maybe")

@@ -94,7 +94,9 @@ class TrainConfig:
     checkpoint_every: str = "30m"  # steps or a time; a final checkpoint is always written
     keep_checkpoints: int = 2
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere), bf16, fp32
-    compile: bool = False
+    # torch.compile each block: "auto" = on CUDA (where fused kernels pay for the compile
+    # time), except for the zero-bubble pipeline schedules that cannot run compiled stages.
+    compile: str = "auto"  # auto, true, false
     device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
     seed: int = 0  # model initialisation and dropout
     # Seconds a collective waits for the other ranks before the job ends with an error: a
@@ -155,6 +157,7 @@ _CHOICES = {
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
+    "train.compile": ("auto", "true", "false"),
     "train.on_spike": ("rollback", "stop", "off"),
 }
 
@@ -215,7 +218,7 @@ def _coerce(name: str, value: Any, current: Any) -> Any:
         except (TypeError, ValueError):
             pass
     elif kind is str:
-        return str(value)
+        return str(value).lower() if isinstance(value, bool) else str(value)  # compile = true
     elif kind is list:
         if isinstance(value, str):
             value = [v for v in value.strip("[]").split(",") if v.strip()]

@@ -291,11 +291,19 @@ def check(layout: Layout, model, global_batch: int, world: int | None = None, **
         raise ConfigError(found[0] + ".")
 
 
+def compiles(cfg: Config, device_type: str) -> bool:
+    """Whether the run compiles its blocks: train.compile, with "auto" meaning on CUDA
+    unless the pipeline schedule is a zero-bubble one (its stages cannot be compiled)."""
+    if cfg.train.compile != "auto":
+        return cfg.train.compile == "true"
+    return device_type == "cuda" and not (cfg.parallel.pp > 1 and cfg.parallel.schedule in ZERO_BUBBLE)
+
+
 def run_problems(layout: Layout, cfg: Config, world: int, seq_len: int | None = None) -> list[str]:
     """`problems` of `layout` for the run `cfg` describes (its model, batch, ramp, compile
     and document mask) on `world` processes of sequences of `seq_len` tokens."""
     return problems(layout, cfg.model, cfg.train.global_batch, world, batch_start=cfg.schedule.batch_start,
-                    seq_len=seq_len, compile=cfg.train.compile, document_mask=cfg.data.document_mask)
+                    seq_len=seq_len, compile=cfg.train.compile == "true", document_mask=cfg.data.document_mask)
 
 
 def check_run(cfg: Config, world: int, seq_len: int | None = None) -> Layout:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ember.config import Config
-from ember.layout import Layout
+from ember.layout import Layout, compiles
 from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
@@ -129,7 +129,7 @@ class Wrapper:
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
         apply_recompute(module, p.recompute, p.recompute_every)
-        if self.cfg.train.compile:
+        if compiles(self.cfg, self.device.type):
             apply_compile(module)
         if p.zero == 0:
             self._materialize(module, meta)
