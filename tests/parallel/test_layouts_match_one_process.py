@@ -67,3 +67,10 @@ def assert_same(results, one_process, expected_names):
 def test_layouts_equal_one_process(nproc, layouts, dataset, one_process, tmp_path):
     results = launch(nproc, layouts, dataset, tmp_path / "launch")
     assert_same(results, one_process, [lay["name"] for lay in layouts])
+    # Each rank runs 2 micro-batches a step. ZeRO-1/2 gather each FSDP group's parameters
+    # once a step, not once per micro-batch; ZeRO-3 gathers them again for every use.
+    for r in results:
+        if r["name"] in ("zero1x2", "zero2x2", "hybrid2x2-zero1"):
+            assert r["gathers_last_step"] == r["fsdp_groups"] > 0, r
+        if r["name"] == "zero3x2":
+            assert r["gathers_last_step"] > 2 * r["fsdp_groups"], r

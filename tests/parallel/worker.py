@@ -18,16 +18,33 @@ def settings(common: list[str], layout: dict, objective: str) -> list[str]:
     return common + [f"model.objective={objective}"] + [f"{k}={v}" for k, v in layout["set"].items()]
 
 
+_GATHERS = [0]  # FSDP's parameter all-gathers (dist.all_gather_single), counted per step
+_all_gather_single = dist.all_gather_single
+
+
+def _counted_all_gather_single(*args, **kwargs):
+    _GATHERS[0] += 1
+    return _all_gather_single(*args, **kwargs)
+
+
+dist.all_gather_single = _counted_all_gather_single
+
+
 def run_layout(data: Path, out: Path, spec: dict, layout: dict, objective: str) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
     cfg = load_config(spec["recipe"], settings(spec["common"], layout, objective))
     trainer = Trainer(cfg, data, out / f"{layout['name']}-{objective}", progress=False)
     trainer.build()
     losses, norms = [], []
     for _ in range(spec["steps"]):
+        _GATHERS[0] = 0
         loss, norm, _ = trainer.train_step(cfg.train.global_batch, lr=spec["lr"])
         losses.append(float(loss))
         norms.append(float(norm))
-    return {"name": layout["name"], "objective": objective, "loss": losses, "grad_norm": norms}
+    groups = sum(isinstance(m, FSDPModule) for part in trainer.engine.parts for m in part.modules())
+    return {"name": layout["name"], "objective": objective, "loss": losses, "grad_norm": norms,
+            "gathers_last_step": _GATHERS[0], "fsdp_groups": groups}
 
 
 def main() -> None:

@@ -5,6 +5,8 @@
 - zero=1: FSDP2 without resharding after forward, and no gradient reduce-scatter until the
   last micro-batch: unsharded gradients accumulate locally, optimizer states are sharded.
 - zero=2: FSDP2 without resharding after forward; gradients reduce-scattered per micro-batch.
+- zero=1/2: parameters are gathered once per step, not per micro-batch (no resharding
+  after the backward of a micro-batch that is not the step's last).
 - zero=3: FSDP2 resharding parameters after forward (all-gathered again for backward).
 - dp_replicate > 1 with zero >= 1: FSDP2 on the 2-D (dp_replicate, dp_shard) mesh, i.e.
   hybrid sharding: states sharded inside a replica, gradients all-reduced across replicas.
@@ -33,10 +35,16 @@ class DataParallel:
     zero: int
 
     def set_sync(self, sync: bool) -> None:
-        """Whether the coming backward reduces gradients (False: accumulate locally).
-        ZeRO-2/3 reduce-scatter every micro-batch so that only shards are ever kept."""
+        """Whether the coming backward is the step's last (True) or accumulates (False).
+        ZeRO-0/1 reduce gradients only after the last; ZeRO-2/3 reduce-scatter every
+        micro-batch so that only shards are ever kept. ZeRO-1/2 keep parameters gathered
+        from the first micro-batch's forward to the last one's backward (they already hold
+        them whole through each forward and backward, so this costs no peak memory and
+        saves an all-gather per extra micro-batch); ZeRO-3 gathers them per use."""
         if self.zero in (0, 1):
             self.module.set_requires_gradient_sync(sync)
+        if self.zero in (1, 2):
+            self.module.set_reshard_after_backward(sync)
 
 
 def _fsdp():
