@@ -42,3 +42,12 @@ def test_training_beats_the_unigram_baseline(dataset, tmp_path):
     assert summary["val_loss"] < summary["unigram_entropy"] - 0.5, summary
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) >= 3 and (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_bf16_autocast_trains_on_a_cpu(dataset, tmp_path):
+    """CPUs with AVX512-BF16 or AMX gain from it on larger models (benchmarks/cpu_bf16.py)."""
+    trainer = _trainer(dataset, tmp_path / "bf16", "train.precision=bf16", "train.device=cpu")
+    assert trainer.amp_dtype == torch.bfloat16
+    losses = [float(trainer.train_step(8, lr=1e-3)[0]) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights

@@ -62,8 +62,6 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
-        if self.amp_dtype is not None and self.device.type == "cpu":
-            raise ConfigError("train.precision=bf16 is for GPUs; use fp32 or auto on a CPU.")
         if cfg.data.verify:  # last of the checks: the ranks read every shard once between them
             verify_checksums(self.data_dir, self.manifest, self.rank, self.world)
         self._given_model = model
