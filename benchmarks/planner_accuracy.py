@@ -47,8 +47,10 @@ from ember.plan.search import rank, search
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = REPO / "benchmarks" / "data" / "published_runs.csv"
-MEGATRON_2021 = Stack(attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False)
-MEGATRON_CORE = Stack(attention="flash", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False)
+MEGATRON_2021 = Stack(attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False,
+                      selective="attention")
+MEGATRON_CORE = Stack(attention="flash", grad_dtype="fp32", overlap_grad_reduce=False, overlap_param_gather=False,
+                      selective="attention")
 
 
 def _gpu(text: str) -> str:

@@ -108,13 +108,15 @@ def layer_matmuls(cfg: ModelShape) -> dict[str, tuple[int, int]]:
 
 def recompute_flops_per_token(cfg: ModelShape, seq_len: int, policy: str) -> float:
     """FLOPs per token that activation recomputation adds to a training step (the difference
-    between hardware and model FLOPs). `full` reruns every block's forward pass; `selective`
-    (Korthikanti et al. 2022) reruns only the attention core, softmax(Q·Kᵀ)·V; `none` adds 0."""
+    between hardware and model FLOPs). `full` reruns every block's forward pass; ember's
+    `selective` keeps every matmul and the attention kernel's output and reruns only
+    elementwise work (no FLOPs counted); `selective-attention` (Megatron-LM, Korthikanti et
+    al. 2022) reruns the attention core, softmax(Q·Kᵀ)·V; `none` adds 0."""
     attention_core = 4.0 * cfg.layers * cfg.hidden * seq_len
     if policy == "full":
         return 2.0 * matmul_params(cfg)["layers"] + attention_core
-    if policy == "selective":
+    if policy == "selective-attention":
         return attention_core
-    if policy == "none":
+    if policy in ("selective", "none"):
         return 0.0
     raise ValueError(f"recompute policy must be none, selective or full, not {policy!r}.")

@@ -31,7 +31,8 @@ def test_recompute_flops_match_megatrons_hardware_formula():
     s, l, h, v = 2048, gpt.layers, gpt.hidden, gpt.padded_vocab
     hardware = model_flops_per_token(gpt, s) + recompute_flops_per_token(gpt, s, "full")
     assert hardware == pytest.approx(96 * l * h * h + 16 * l * h * s + 6 * v * h, rel=1e-12)
-    assert recompute_flops_per_token(gpt, s, "selective") == 4 * l * h * s
+    assert recompute_flops_per_token(gpt, s, "selective-attention") == 4 * l * h * s  # Megatron-LM's
+    assert recompute_flops_per_token(gpt, s, "selective") == 0.0  # ember's reruns no matmul
     assert recompute_flops_per_token(gpt, s, "none") == 0
     with pytest.raises(ValueError):
         recompute_flops_per_token(gpt, s, "most")

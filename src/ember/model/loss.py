@@ -38,12 +38,13 @@ def chunk_tokens(n_tokens: int, vocab: int, hidden: int) -> int:
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """total (fp32) += a @ b in place. bf16/fp16 operands keep their fast matmul and
     accumulate into fp32 directly on CUDA (addmm's out_dtype); elsewhere they are widened."""
+    # The out= form, not addmm_: the same kernel, and FLOP counters see it.
     if a.dtype == total.dtype:
-        total.addmm_(a, b)
+        torch.addmm(total, a, b, out=total)
     elif a.is_cuda:
         torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     else:
-        total.addmm_(a.to(total.dtype), b.to(total.dtype))
+        torch.addmm(total, a.to(total.dtype), b.to(total.dtype), out=total)
 
 
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

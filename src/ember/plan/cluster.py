@@ -47,12 +47,20 @@ class Stack:
     (Megatron-LM's default with bf16: 18 bytes/param, gradients reduced in fp32).
     `overlap_grad_reduce`: data-parallel gradient reduction runs during the backward pass of
     the last micro-batch (DDP/FSDP buckets); `overlap_param_gather`: ZeRO-1/2 parameter
-    gathers after the optimizer step run during the next forward pass."""
+    gathers after the optimizer step run during the next forward pass.
+    `selective`: what selective recomputation reruns: "elementwise" (ember, torchtitan:
+    matmuls, the attention kernel and collectives are kept, norms and activations rerun)
+    or "attention" (Megatron-LM, Korthikanti et al.: the attention core is rerun)."""
 
     attention: str = "flash"
     grad_dtype: str = "bf16"
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    selective: str = "elementwise"
+
+    def recompute_policy(self, recompute: str) -> str:
+        """The cost model's name for `recompute` under this stack."""
+        return "selective-attention" if recompute == "selective" and self.selective == "attention" else recompute
 
     @property
     def grad_bytes(self) -> int:

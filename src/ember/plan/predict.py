@@ -75,7 +75,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and the
     seconds its compute could hide communication behind."""
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         lo.recompute, cluster.stack.attention)
+                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention)
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
@@ -155,7 +155,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     tokens = shape.tokens
     per_gpu = tokens / step / cluster.n_gpus
     model_flops = model_flops_per_token(model, shape.seq_len, model.predicted_fraction)
-    hw_flops = model_flops + (recompute_flops_per_token(model, shape.seq_len, lo.recompute)
+    hw_flops = model_flops + (recompute_flops_per_token(model, shape.seq_len, cluster.stack.recompute_policy(lo.recompute))
                               * lo.recomputed_fraction(model.layers))
     shares = {"compute": m * work.compute / step, "tp_comm": m * work.tp_comm / step,
               "pp_comm": m * p2p / step, "dp_comm": (dp_exposed + m * zero3) / step,
@@ -171,5 +171,5 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         lo.recompute, cluster.stack.attention)
+                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention)
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

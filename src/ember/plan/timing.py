@@ -187,8 +187,10 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
-    elif recompute == "selective":
+    elif recompute == "selective-attention":
         again = core_fwd + Work(launch=core_kernels * KERNEL_S)
+    elif recompute == "selective":  # norms, activations, rotary: the elementwise forward
+        again = Work(elementwise=elem_fwd, launch=(kernels - core_kernels) * KERNEL_S)
     else:
         again = Work()
     return LayerTimes(forward, backward, again)
