@@ -93,6 +93,9 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: str = "30m"  # steps or a time; a final checkpoint is always written
     keep_checkpoints: int = 2
+    # Write checkpoints on a background thread (state copied to host memory first), so
+    # training goes on while they are written; still published only once complete.
+    checkpoint_async: bool = True
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere), bf16, fp32
     # torch.compile each block: "auto" = on CUDA (where fused kernels pay for the compile
     # time), except for the zero-bubble pipeline schedules that cannot run compiled stages.

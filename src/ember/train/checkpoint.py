@@ -18,7 +18,8 @@ A checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` holding:
   (progress and data position: the `state` the trainer passes), written by rank 0.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 flushes and renames it, so
-a crash at any moment leaves the newest complete checkpoint loadable. The whole model for
+a crash at any moment leaves the newest complete checkpoint loadable. `Checkpointer`
+does the same in the background (`train.checkpoint_async`). The whole model for
 evaluation and export is `RUN_DIR/model.safetensors` (`train/model_file.py`).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -171,11 +173,9 @@ def _with_aliases(osd: dict[str, Any], part: nn.Module) -> dict[str, Any]:
     return out
 
 
-def save(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Optimizer], state: dict,
-         keep: int = 2, layout: dict | None = None) -> Path:
-    """Write this rank's shards of `parts` and `optimizers` for `step`; every rank calls it.
-    `layout` (the parallel degrees) is recorded for `restores_rng`. Returns the final
-    folder; all but the newest `keep` checkpoints are then removed."""
+def _prepare(run_dir: Path, step: int, state: dict, layout: dict | None) -> tuple[Path, Path]:
+    """The temporary and final folders of `step`'s checkpoint, the temporary one made with
+    this rank's RNG state and (rank 0) the small files in it."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp"
@@ -183,20 +183,86 @@ def save(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Opti
         if tmp.exists():  # left by a crash in an earlier save of this step
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
-    barrier()
-    to_save, _, _ = _collect(parts, optimizers, aliases=True)
-    with _quiet_single_process():
-        dcp.save(to_save, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
-    barrier()  # every rank's files are complete before rank 0 publishes the folder
-    if rank() == 0:
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": world(), "layout": layout}))
+    barrier()
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
+    return tmp, final
+
+
+def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Rank 0, once every rank's files are complete: the folder gets its final name, and
+    all but the newest `keep` checkpoints go."""
+    if rank() == 0:
         publish_dir(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def save(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Optimizer], state: dict,
+         keep: int = 2, layout: dict | None = None) -> Path:
+    """Write this rank's shards of `parts` and `optimizers` for `step`; every rank calls it.
+    `layout` (the parallel degrees) is recorded for `restores_rng`. Returns the final
+    folder; all but the newest `keep` checkpoints are then removed."""
+    tmp, final = _prepare(run_dir, step, state, layout)
+    to_save, _, _ = _collect(parts, optimizers, aliases=True)
+    with _quiet_single_process():
+        dcp.save(to_save, checkpoint_id=str(tmp))
+    barrier()  # every rank's files are complete before rank 0 publishes the folder
+    _publish(run_dir, tmp, final, keep)
     barrier()  # nobody reads or rewrites the folder before it has its final name
     return final
+
+
+class Checkpointer:
+    """Saves checkpoints, in the background when `asynchronous`: the state is copied to
+    host memory during the call (so later steps cannot change what is written), then
+    written by a thread while training goes on, and the folder published (renamed into
+    place, old ones pruned) only once every rank's files are complete. At most one save is
+    in flight; `wait()` ends it, and must run on every rank at the same points (before
+    the next save, before loading a checkpoint, before the run returns). Every rank
+    builds its Checkpointer at the same point: the writer's collectives get a process
+    group of their own, so they never interleave with the training step's."""
+
+    def __init__(self, asynchronous: bool):
+        self.asynchronous = asynchronous
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        if asynchronous and not dist.is_initialized():
+            # _quiet_single_process for the writer's thread, which outlives any with-block.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ember-checkpoint") if asynchronous else None
+        self.pending: Future | None = None
+
+    def save(self, run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Optimizer], state: dict,
+             keep: int = 2, layout: dict | None = None) -> Path:
+        self.wait()
+        if not self.asynchronous:
+            return save(run_dir, step, parts, optimizers, state, keep, layout)
+        tmp, final = _prepare(run_dir, step, state, layout)
+        to_save, _, _ = _collect(parts, optimizers, aliases=True)
+        with _quiet_single_process():
+            written = dcp.async_save(to_save, checkpoint_id=str(tmp), process_group=self.group)
+
+        def finish() -> None:
+            written.result()  # returns once every rank's shards are written (DCP gathers their results)
+            _publish(run_dir, tmp, final, keep)
+
+        self.pending = self.pool.submit(finish)
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and published, on every rank."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        barrier()  # rank 0 has published: every rank sees the new checkpoint from here on
+
+    def close(self) -> None:
+        self.wait()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
 
 def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None = None,

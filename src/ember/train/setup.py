@@ -73,7 +73,7 @@ def check_document_mask(config: Config, manifest: dict) -> None:
 # Keys that may change between an interrupted run and its resumption. The layout may:
 # sharded checkpoints are keyed by parameter name, and every layout computes the same step.
 _MAY_CHANGE = {("data", "verify"), ("data", "prefetch"), ("train", "budget"), ("train", "device"), ("train", "compile"),
-               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "log_every"),
+               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "checkpoint_async"), ("train", "log_every"),
                *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
                                                "vpp", "schedule", "recompute", "recompute_every"))}
 

@@ -107,6 +107,7 @@ class Trainer:
                                      ahead=cfg.data.prefetch)
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs)
         self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo)
+        self.checkpointer = checkpoint.Checkpointer(cfg.train.checkpoint_async)
         self.peak = device_peak_flops(self.device)
         reset_peak_memory(self.device)  # what training holds, not what building passed through
 
@@ -137,8 +138,8 @@ class Trainer:
 
     def save(self, progress: Progress) -> None:
         state = {"progress": asdict(progress), "data": self.train_data.state_dict(), "budget": str(self.budget)}
-        checkpoint.save(self.run_dir, progress.step, self.engine.parts, self.engine.optimizers, state,
-                        keep=self.cfg.train.keep_checkpoints, layout=self.layout())
+        self.checkpointer.save(self.run_dir, progress.step, self.engine.parts, self.engine.optimizers, state,
+                               keep=self.cfg.train.keep_checkpoints, layout=self.layout())
 
     # ---- the run ----------------------------------------------------------------------
 
@@ -165,6 +166,7 @@ class Trainer:
                 status = self._loop(progress, log, bar, [stop, *self.policies])
                 self.stopped_by = stop.signal
         finally:
+            self.checkpointer.wait()  # a checkpoint being written is finished, whatever happened
             bar.close()
             log.close()
         return self._finish(progress, status)
@@ -222,6 +224,7 @@ class Trainer:
         data up to the spike (what the BLOOM and OPT teams did by hand). False when there is
         no such checkpoint. The clock keeps running: a time budget counts the lost steps."""
         spike = self.guard.spike
+        self.checkpointer.wait()
         before = [p for p in checkpoint.list_checkpoints(self.run_dir) if checkpoint.step_of(p) < spike.step]
         record = {"step": progress.step, "event": "loss spike", "spike_step": spike.step,
                   "spike_loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss),
@@ -296,6 +299,8 @@ class Trainer:
         FSDP) goes while the process group it talks over is still alive, not at exit."""
         if getattr(self, "train_data", None) is not None:
             self.train_data.close()
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()
         self.engine = self.model = self.optimizer = self.evaluate = self.train_data = None
         gc.collect()
 
