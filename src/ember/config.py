@@ -94,8 +94,9 @@ class TrainConfig:
     checkpoint_every: str = "30m"  # steps or a time; a final checkpoint is always written
     keep_checkpoints: int = 2
     # Write checkpoints on a background thread (state copied to host memory first), so
-    # training goes on while they are written; still published only once complete.
-    checkpoint_async: bool = True
+    # training goes on while they are written; still published only once complete. "auto"
+    # = on CUDA, where the writer does not compete with the step for the CPU.
+    checkpoint_async: str = "auto"  # auto, true, false
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere), bf16, fp32
     # torch.compile each block: "auto" = on CUDA (where fused kernels pay for the compile
     # time), except for the zero-bubble pipeline schedules that cannot run compiled stages.
@@ -161,6 +162,7 @@ _CHOICES = {
     "train.precision": ("auto", "bf16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
     "train.compile": ("auto", "true", "false"),
+    "train.checkpoint_async": ("auto", "true", "false"),
     "train.on_spike": ("rollback", "stop", "off"),
 }
 

@@ -48,7 +48,7 @@ def test_a_checkpoint_resumes_under_another_layout(dataset, tmp_path, objective,
                                                    resume_n, resume_layout):
     sets = TINY + [f"model.objective={objective}", "model.dropout=0", "train.precision=fp32",
                    "train.device=cpu", "train.checkpoint_every=3steps", "train.eval_every=1000steps",
-                   "train.micro_batch=2"]
+                   "train.micro_batch=2", "train.checkpoint_async=true"]  # written in the background, also on CPU
     args = ["train", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--budget", "6steps",
             "--quiet", *[x for s in sets for x in ("--set", s)]]
     whole = tmp_path / "whole"

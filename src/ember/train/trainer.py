@@ -107,7 +107,9 @@ class Trainer:
                                      ahead=cfg.data.prefetch)
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs)
         self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo)
-        self.checkpointer = checkpoint.Checkpointer(cfg.train.checkpoint_async)
+        background = cfg.train.checkpoint_async
+        self.checkpointer = checkpoint.Checkpointer(background == "true" or (background == "auto"
+                                                                            and self.device.type == "cuda"))
         self.peak = device_peak_flops(self.device)
         reset_peak_memory(self.device)  # what training holds, not what building passed through
 
