@@ -77,6 +77,10 @@ def _cmd_prepare(args) -> int:
 def _cmd_stats(args) -> int:
     from ember.data.stats import collect, plot_lengths, render
 
+    from ember.data.errors import DataError
+
+    if args.top < 0:
+        raise DataError(f"--top must be 0 or more, not {args.top}.")
     stats = collect(Path(args.data_dir), top=args.top)
     png = plot_lengths(stats["histogram"], Path(args.png or Path(args.data_dir) / "document_lengths.png"))
     render(stats, png)

@@ -53,7 +53,7 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
     manifest = load_manifest(data_dir)
     check_data(run, manifest, data_dir)
     cfg = run.config
-    batch_size = batch_size or cfg.train.micro_batch
+    batch_size = cfg.train.micro_batch if batch_size is None else batch_size  # 0 is a mistake, not "default"
     if batch_size < 1 or (batches is not None and batches < 1):
         raise ConfigError("--batches and --batch-size must be at least 1.")
     val = Batches(data_dir, manifest, "val", seed=cfg.data.seed, documents=cfg.data.document_mask)

@@ -1,0 +1,126 @@
+"""Mistakes a careless user makes with every verb: each gets exit status 2 and one
+sentence on stderr, never a traceback, and the data and run it was pointed at are left
+exactly as they were. (Training's own settings are swept in tests/test_cli_errors.py,
+the planner's in tests/plan/test_cli_plan.py, damaged files in tests/test_fuzz_inputs.py.)"""
+
+import hashlib
+import shutil
+
+import pytest
+
+from conftest import REPO, TINY
+from ember.cli import main
+
+RECIPE = str(REPO / "configs/tiny-gpt.toml")
+SETS = [x for s in TINY for x in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def places(dataset, tmp_path_factory):
+    """A copy of the prepared data, a trained run, and paths that cannot be used."""
+    root = tmp_path_factory.mktemp("bad-input")
+    data = root / "data"
+    shutil.copytree(dataset, data)
+    run = root / "run"
+    assert main(["train", RECIPE, "--data", str(data), "--out", str(run), "--budget", "2steps", "--quiet",
+                 *SETS]) == 0
+    (root / "a_file").write_text("x")
+    (root / "notes.txt").write_text("not a recipe = [")
+    (root / "glue").mkdir()
+    return {"data": str(data), "run": str(run), "root": root, "file": str(root / "a_file"),
+            "missing": str(root / "missing"), "notes": str(root / "notes.txt"), "glue": str(root / "glue")}
+
+
+CASES = [
+    # bench
+    ("bench-missing-data", ["bench", RECIPE, "--data", "{missing}"], "manifest"),
+    ("bench-missing-recipe", ["bench", "{missing}.toml", "--data", "{data}"], "missing.toml"),
+    ("bench-bad-recipe", ["bench", "{notes}", "--data", "{data}"], "notes.txt"),
+    ("bench-bad-set", ["bench", RECIPE, "--data", "{data}", "--set", "train.micro_batch=0"], "train.micro_batch"),
+    ("bench-unknown-key", ["bench", RECIPE, "--data", "{data}", "--set", "train.nope=1"], "unknown config key"),
+    ("bench-zero-steps", ["bench", RECIPE, "--data", "{data}", "--steps", "0"], "--steps"),
+    ("bench-negative-warmup", ["bench", RECIPE, "--data", "{data}", "--warmup", "-1"], "--warmup"),
+    ("bench-layout-too-big", ["bench", RECIPE, "--data", "{data}", "--set", "parallel.tp=4"], "parallel"),
+    # tune
+    ("tune-zero-processes", ["tune", RECIPE, "--data", "{data}", "--nproc", "0", "--dry-run"], "--nproc"),
+    ("tune-missing-data", ["tune", RECIPE, "--data", "{missing}", "--nproc", "2", "--dry-run"], "manifest"),
+    ("tune-zero-top", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--top", "0", "--dry-run"], "--top"),
+    ("tune-zero-steps", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--steps", "0", "--dry-run"], "--steps"),
+    ("tune-missing-profile", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--profile", "{missing}",
+                              "--dry-run"], "missing"),
+    ("tune-bad-set", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--set", "optim.lr=-1", "--dry-run"],
+     "optim.lr"),
+    # eval lm
+    ("eval-lm-missing-run", ["eval", "lm", "--checkpoint", "{missing}", "--data", "{data}"], "missing"),
+    ("eval-lm-not-a-run", ["eval", "lm", "--checkpoint", "{glue}", "--data", "{data}"], "glue"),
+    ("eval-lm-missing-data", ["eval", "lm", "--checkpoint", "{run}", "--data", "{missing}"], "manifest"),
+    ("eval-lm-zero-batches", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--batches", "0"],
+     "--batches"),
+    ("eval-lm-zero-batch-size", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--batch-size", "0"],
+     "--batch-size"),
+    ("eval-lm-bad-device", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--device", "tpu9"],
+     "device"),
+    ("eval-lm-out-under-file", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--out",
+                                "{file}/r.json"], "a_file"),
+    # eval glue
+    ("eval-glue-missing-dir", ["eval", "glue", "--checkpoint", "{run}", "--glue-dir", "{missing}"], "missing"),
+    ("eval-glue-unknown-task", ["eval", "glue", "--checkpoint", "{run}", "--glue-dir", "{glue}", "--tasks",
+                                "squad"], "squad"),
+    ("eval-glue-task-not-there", ["eval", "glue", "--checkpoint", "{run}", "--glue-dir", "{glue}", "--tasks", "rte"],
+     "RTE"),
+    ("eval-glue-zero-seeds", ["eval", "glue", "--checkpoint", "{run}", "--glue-dir", "{glue}", "--seeds", "0"],
+     "--seeds"),
+    ("eval-glue-missing-run", ["eval", "glue", "--checkpoint", "{missing}", "--glue-dir", "{glue}"], "missing"),
+    # export
+    ("export-missing-run", ["export", "hf", "--checkpoint", "{missing}", "--out", "{root}/hf1"], "missing"),
+    ("export-onto-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}"], "a_file"),
+    ("export-onto-the-run", ["export", "hf", "--checkpoint", "{run}", "--out", "{run}"], "run"),
+    ("export-missing-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf2", "--tokenizer",
+                                 "{missing}.json"], "missing"),
+    ("export-bad-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf3", "--tokenizer",
+                              "{notes}"], "notes.txt"),
+    # report
+    ("report-missing", ["report", "{missing}"], "missing"),
+    ("report-a-file", ["report", "{file}"], "a_file"),
+    ("report-data-folder", ["report", "{data}"], "metrics.jsonl"),
+    # data
+    ("stats-missing", ["data", "stats", "{missing}"], "manifest"),
+    ("stats-negative-top", ["data", "stats", "{data}", "--top", "-5"], "--top"),
+    ("stats-a-run", ["data", "stats", "{run}"], "manifest"),
+    ("prepare-missing-input", ["data", "prepare", "{missing}.txt", "--out", "{root}/p1"], "missing.txt"),
+    ("prepare-out-under-file", ["data", "prepare", "{notes}", "--out", "{file}/p"], "a_file"),
+    ("prepare-onto-data", ["data", "prepare", "{notes}", "--out", "{data}"], "data"),
+    ("prepare-zero-seq-len", ["data", "prepare", "{notes}", "--out", "{root}/p2", "--seq-len", "0"], "seq_len 0"),
+    ("prepare-tiny-vocab", ["data", "prepare", "{notes}", "--out", "{root}/p3", "--vocab-size", "3"],
+     "vocab_size 3"),
+    ("corpus-onto-a-folder", ["data", "corpus", "--out", "{data}"], "data"),
+    # plan
+    ("plan-unknown-preset", ["plan", "--model", "gpt9", "--gpu", "a100-80gb", "--gpus", "8"], "gpt9"),
+    ("plan-zero-gpus", ["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "0"], "--gpus"),
+    ("plan-no-gpu", ["plan", "--model", "gpt3-175b", "--gpus", "8"], "--gpu"),
+    ("plan-no-global-batch", ["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "8"],
+     "--global-batch"),
+    ("plan-bad-layout", ["plan", "--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "8", "--global-batch", "64",
+                         "--layout", "tp=three"], "tp"),
+]
+
+
+def _snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("argv,words", [(argv, words) for _, argv, words in CASES], ids=[c[0] for c in CASES])
+def test_a_mistake_is_one_sentence_and_status_2(places, capsys, argv, words):
+    from pathlib import Path
+
+    before = {name: _snapshot(Path(places[name])) for name in ("data", "run")}
+    filled = [a.format(**places) for a in argv]
+    code = main(filled)
+    err = capsys.readouterr().err
+    assert code == 2, (filled, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert words in err, err
+    after = {name: _snapshot(Path(places[name])) for name in ("data", "run")}
+    assert after == before  # nothing the user made is touched
+    assert Path(places["file"]).read_text() == "x"
