@@ -65,14 +65,6 @@ def test_exported_model_computes_embers_logits(tmp_path, overrides, architecture
     assert config["eos_token_id"] == tok.token_to_id("<|endoftext|>")
 
 
-def test_masked_lms_are_refused_naming_what_differs(tmp_path, capsys):
-    make_run(tmp_path / "run", ["model.objective=mlm", "model.activation=geglu", "model.positions=rotary"])
-    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert "ModernBERT" in err and "normalises the embeddings" in err and err.count("\n") == 1
-    assert not (tmp_path / "hf").exists()
-
-
 def test_unmappable_causal_models_are_refused(tmp_path, capsys):
     make_run(tmp_path / "run", LLAMA + ["model.norm=layernorm"])
     assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
@@ -87,3 +79,48 @@ def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
     assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     assert "already exists" in capsys.readouterr().err
     assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
+
+
+MLM_CASES = [
+    ["model.objective=mlm", "model.activation=geglu", "model.positions=sinusoidal", "model.norm=layernorm",
+     "model.bias=false", "model.tie_embeddings=true"],  # Cramming's BERT
+    ["model.objective=mlm", "model.activation=gelu", "model.positions=learned", "model.bias=true",
+     "model.tie_embeddings=false"],
+    ["model.objective=mlm", "model.activation=swiglu", "model.positions=rotary", "model.norm=rmsnorm"],
+]
+
+
+@pytest.mark.parametrize("overrides", MLM_CASES, ids=["cramming", "learned-gelu-bias", "rotary-swiglu"])
+def test_exported_masked_lm_computes_embers_logits_and_fine_tunes(tmp_path, overrides, capsys):
+    transformers = pytest.importorskip("transformers")
+    ours, tok = make_run(tmp_path / "run", overrides)
+    out = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "EmberForMaskedLM" in capsys.readouterr().out
+    assert "import ember" not in (out / "modeling_ember.py").read_text()  # loads where ember is not installed
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, local_files_only=True).eval()
+    ids = torch.randint(0, tok.get_vocab_size(), (3, 24))
+    lengths = torch.tensor([24, 17, 9])
+    mask = torch.arange(24)[None, :] < lengths[:, None]  # a right-padded batch
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
+        want = ours.head(ours.norm(ours.trunk(ids, key_padding_mask=mask)))
+        got = hf(input_ids=ids, attention_mask=mask.long()).logits
+        torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+
+    classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
+        out, trust_remote_code=True, local_files_only=True, num_labels=2)
+    torch.testing.assert_close(classifier.model.embed.weight, hf.model.embed.weight)  # the encoder is the same
+    torch.manual_seed(0)
+    x = torch.randint(5, tok.get_vocab_size(), (16, 12))
+    y = (x[:, 1] % 2).long()  # a task the encoder can learn from one token
+    opt = torch.optim.AdamW(classifier.parameters(), lr=1e-3)
+    classifier.train()
+    losses = []
+    for _ in range(30):
+        loss = classifier(input_ids=x, attention_mask=torch.ones_like(x), labels=y).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -16,8 +16,10 @@ def register_export(verbs) -> None:
     """Add `ember export hf` to the top-level subparsers."""
     export = verbs.add_parser("export", help="write a run in another format").add_subparsers(
         dest="export_verb", required=True)
-    hf = export.add_parser("hf", help="a transformers folder (Llama- or GPT-2-style causal LMs)")
+    hf = export.add_parser("hf", help="a transformers folder (causal LMs as Llama or GPT-2; masked LMs as "
+                                           "remote code, trust_remote_code=True)")
     hf.add_argument("--checkpoint", required=True, help="run directory (or one of its checkpoints/step_* folders)")
-    hf.add_argument("--out", required=True, help="folder to create; loads with AutoModelForCausalLM.from_pretrained")
+    hf.add_argument("--out", required=True, help="folder to create; loads with AutoModelForCausalLM (causal) or "
+                                                "AutoModelForMaskedLM (masked, trust_remote_code=True)")
     hf.add_argument("--tokenizer", help="tokenizer.json (default: the one in the run directory)")
     hf.set_defaults(func=_cmd_hf)

@@ -8,8 +8,12 @@ transformers is refused with the differences named:
 - causal, LayerNorm, GELU, learned positions -> `GPT2LMHeadModel` (Conv1D stores weights
   [in, out], so they are transposed, and q, k, v are fused into c_attn; a run without
   biases gets zero biases, which computes the same);
-- masked LMs: refused. ModernBERT is the only pre-norm GeGLU rotary encoder in
-  transformers, and it computes something else (see `MODERNBERT_DIFFERS`).
+- masked LMs -> ember's own code (`hf_remote.py`, copied next to the weights as
+  `modeling_ember.py`), loaded with `trust_remote_code=True` by `AutoModelForMaskedLM` and
+  `AutoModelForSequenceClassification`. ModernBERT, the only pre-norm GeGLU encoder in
+  transformers, computes something else: it normalises the embeddings before the first
+  block (which has no input norm), its masked-LM head adds a dense + GELU + LayerNorm
+  layer, and it alternates sliding-window and global attention with two rotary bases.
 The vocabulary is exported padded (ember pads the embedding to model.vocab_multiple):
 the logits then equal ember's everywhere, and the tokenizer never emits the extra ids.
 """
@@ -32,17 +36,14 @@ REQUIRES = {
     "LlamaForCausalLM": {"objective": "causal", "norm": "rmsnorm", "activation": "swiglu", "positions": "rotary"},
     "GPT2LMHeadModel": {"objective": "causal", "norm": "layernorm", "activation": "gelu", "positions": "learned"},
 }
-MODERNBERT_DIFFERS = (
-    "ModernBERT normalises the embeddings before the first block (which has no input norm) where ember feeds "
-    "them raw into the residual stream, its masked-LM head adds a dense + GELU + LayerNorm layer that ember "
-    "does not have, and by default it alternates sliding-window and global attention with two rotary bases")
+
+REMOTE_CODE = Path(__file__).with_name("hf_remote.py")  # imports torch and transformers only
 
 
 def choose_architecture(m: ModelConfig) -> str:
     """The transformers class that computes exactly what this model computes, or ConfigError."""
     if m.objective == "mlm":
-        raise ConfigError(f"a masked LM does not map exactly onto a transformers model: {MODERNBERT_DIFFERS}; "
-                          "use the run's model.safetensors with ember instead.")
+        return "EmberForMaskedLM"  # remote code: no built-in class matches
     misses = {name: [f"model.{k}={v} (this run has {getattr(m, k)})" for k, v in need.items() if getattr(m, k) != v]
               for name, need in REQUIRES.items()}
     fits = [name for name, miss in misses.items() if not miss]
@@ -119,7 +120,26 @@ def gpt2(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tenso
     return config, state
 
 
-MAPPINGS = {"LlamaForCausalLM": llama, "GPT2LMHeadModel": gpt2}
+def ember_remote(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """ember's own parameter names under `model.`, the output layer as its own tensor."""
+    m = model.cfg
+    fields = ("hidden", "layers", "heads", "mlp_hidden", "max_seq_len", "objective", "activation", "norm",
+              "positions", "bias", "norm_eps", "rope_theta")
+    config = {
+        "architectures": ["EmberForMaskedLM"], "model_type": "ember", "vocab_size": m.padded_vocab,
+        **{k: getattr(m, k) for k in fields}, "dropout": 0.0, "initializer_range": m.init_std,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "auto_map": {"AutoConfig": "modeling_ember.EmberConfig", "AutoModel": "modeling_ember.EmberModel",
+                     "AutoModelForMaskedLM": "modeling_ember.EmberForMaskedLM",
+                     "AutoModelForSequenceClassification": "modeling_ember.EmberForSequenceClassification"},
+        **_special_ids(special),
+    }
+    state = {f"model.{k}": v for k, v in model.state_dict().items() if not k.startswith("head.")}
+    state["head.weight"] = model.head.weight
+    return config, state
+
+
+MAPPINGS = {"LlamaForCausalLM": llama, "GPT2LMHeadModel": gpt2, "EmberForMaskedLM": ember_remote}
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> dict:
@@ -145,6 +165,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | N
     (tmp / "generation_config.json").write_text(json.dumps(
         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2) + "\n")
     write_tokenizer(tmp, run.tokenizer_path, run.tokenizer, run.special_tokens, run.config.model.max_seq_len)
+    if architecture == "EmberForMaskedLM":
+        shutil.copyfile(REMOTE_CODE, tmp / "modeling_ember.py")
     publish_dir(tmp, out)  # flushed, then renamed over the empty folder checked above
     return {"architecture": architecture, "out": str(out), "parameters": sum(t.numel() for t in tensors.values()),
             "vocab_size": run.config.model.padded_vocab, "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
