@@ -58,3 +58,22 @@ def test_a_tracker_that_cannot_start_is_a_warning(dataset, tmp_path, monkeypatch
 def test_an_unknown_tracker_is_refused():
     with pytest.raises(ConfigError, match="train.trackers takes"):
         load_config(RECIPE, ["train.trackers=[mlflow]"])
+
+
+def test_wandb_offline_writes_its_run_folder_and_a_resume_continues_the_same_run(dataset, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network, whatever the machine is logged into
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    cfg = load_config(RECIPE, TINY + ["train.trackers=[wandb]", "train.checkpoint_every=4steps", "train.budget=4steps"])
+    Trainer(cfg, dataset, out, progress=False).run()
+    run_id = (out / "wandb_id").read_text().strip()
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1
+    log = (runs[0] / f"run-{run_id}.wandb").read_bytes()
+    for key in (b"loss", b"grad_norm", b"tokens_per_s", b"val_loss", b"hidden"):  # metrics and the config
+        assert key in log, key
+    cfg.train.budget = "6steps"
+    Trainer(cfg, dataset, out, resume=True, progress=False).run()
+    assert (out / "wandb_id").read_text().strip() == run_id  # the same W&B run, resumed
+    assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))

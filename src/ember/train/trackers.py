@@ -4,18 +4,26 @@ trackers named in `train.trackers`, from rank 0 only.
 TensorBoard (`torch.utils.tensorboard`, the `tensorboard` extra) writes event files to
 RUN/tensorboard: each numeric field of a record is a scalar at its step, and the resolved
 config is a text entry. A resumed run (or a rollback) continues the same event files from
-its step, with the steps after it dropped (`purge_step`). A tracker that is not installed
+its step, with the steps after it dropped (`purge_step`). Weights & Biases (`wandb`, the `wandb` extra) logs
+every record against ember's step (its own step counter only ever grows, so a rollback's
+repeated steps plot where they belong), with the resolved config as the run's config. It
+runs offline (a folder under RUN/wandb that `wandb sync` uploads later) unless WANDB_MODE
+says otherwise or an API key is configured; the run id is kept in RUN/wandb_id, so a
+resumed run continues the same W&B run. A tracker that is not installed
 or fails to start is a one-line warning; training goes on without it.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import secrets
+import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
 
-TRACKERS = ("tensorboard",)
+TRACKERS = ("tensorboard", "wandb")
 
 
 class TensorBoard:
@@ -29,9 +37,8 @@ class TensorBoard:
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+        for key, value in _numbers(record).items():
+            if key != "step":
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
@@ -45,12 +52,45 @@ class TensorBoard:
         self.writer.close()
 
 
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v)}
+
+
+class WandB:
+    def __init__(self, run_dir: Path, config_toml: str, resume_step: int | None):
+        import wandb
+
+        run_dir = Path(run_dir)
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        logged_in = os.environ.get("WANDB_API_KEY") or (Path.home() / ".netrc").is_file()
+        mode = os.environ.get("WANDB_MODE") or ("online" if logged_in else "offline")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ember"), id=run_id, resume="allow",
+                              dir=str(run_dir), mode=mode, name=run_dir.name, config=tomllib.loads(config_toml))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_numbers(record))
+
+    def rewind(self, step: int) -> None:
+        pass  # records carry ember's step, so the repeated steps of a rollback plot in place
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_CLASSES = {"tensorboard": TensorBoard, "wandb": WandB}
+
+
 def open_trackers(names: list[str], run_dir: Path, config_toml: str, resume_step: int | None) -> list:
     """The trackers that started; the others are a warning each."""
     opened = []
     for name in names:
         try:
-            opened.append(TensorBoard(run_dir, config_toml, resume_step))
+            opened.append(_CLASSES[name](run_dir, config_toml, resume_step))
         except Exception as err:  # noqa: BLE001 - a tracker must never end a training run
             warnings.warn(f"ember: the {name} tracker did not start ({type(err).__name__}: {err}); training goes on "
                           f"without it (pip install 'ember[{name}]').", stacklevel=2)
