@@ -84,3 +84,14 @@ def test_not_a_run_and_the_wrong_tokenizer(run, tmp_path, capsys):
     other.write_text((run / "tokenizer.json").read_text().replace('"<|pad|>"', '"<|pad2|>"'))
     assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tokenizer", str(other)]) == 2
     assert "not the one the run was trained with" in capsys.readouterr().err
+
+
+def test_progress_is_a_line_per_epoch_when_output_is_not_a_terminal(run, tmp_path, capsys):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8))
+    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--seeds", "2",
+                 "--tasks", "rte,sst2"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("glue ")]
+    # pytest's captured stderr is not a terminal: 2 tasks x 2 seeds x 5 epochs, in order.
+    assert len(lines) == 2 * 2 * 5
+    assert lines[0].startswith("glue rte seed 1/2 epoch 1/5: ") and "examples/s" in lines[0]
+    assert lines[-1].startswith("glue sst2 seed 2/2 epoch 5/5: ") and "0.0 min left" in lines[-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from ember.config import ConfigError
 from ember.atomic import write_text
-from ember.eval.encode import encode_split
+from ember.eval.encode import encode_split, steps_per_epoch
 from ember.eval.finetune import Classifier, Protocol, finetune, predict, total_steps
 from ember.eval.glue_tasks import COLUMNS, TaskData, load_task, parse_tasks
 from ember.eval.metrics import compute
@@ -56,12 +57,16 @@ def column_scores(tasks: dict) -> dict[str, float]:
 
 
 class _Bars:
-    """One progress bar per task, counting optimizer steps over all its seeds."""
+    """One progress bar per task, counting optimizer steps over all its seeds; when stderr
+    is not a terminal (a log file, a pipe, a batch job), a plain line per epoch instead:
+    task, seed, epoch, examples/s and the time the task has left."""
 
     def __init__(self, enabled: bool):
+        self.plain = enabled and not sys.stderr.isatty()
         self.progress = Progress(TextColumn("[bold]{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(),
-                                 console=Console(stderr=True), disable=not enabled)
+                                 console=Console(stderr=True), disable=not enabled or self.plain)
+        self.tasks: dict = {}
 
     def __enter__(self):
         self.progress.start()
@@ -70,10 +75,26 @@ class _Bars:
     def __exit__(self, *exc):
         self.progress.stop()
 
+    def add(self, key: str, seeds: int, steps: int, per_epoch: int, batch_size: int, epochs: int):
+        bar = self.progress.add_task(key, total=seeds * steps, loss="")
+        self.tasks[bar] = {"key": key, "seeds": seeds, "total": seeds * steps, "per_epoch": per_epoch,
+                           "batch": batch_size, "epochs": epochs, "done": 0, "start": time.perf_counter()}
+        return bar
+
     def step(self, bar, step: int, loss: torch.Tensor) -> None:
         # Reading the loss waits for the GPU: only every 25 steps.
         fields = {"loss": f"loss {float(loss):.3f}"} if step % 25 == 0 else {}
         self.progress.update(bar, advance=1, **fields)
+        t = self.tasks[bar]
+        t["done"] += 1
+        if self.plain and t["done"] % t["per_epoch"] == 0:
+            elapsed = time.perf_counter() - t["start"]
+            epochs_done = t["done"] // t["per_epoch"]
+            seed, epoch = divmod(epochs_done - 1, t["epochs"])
+            left = elapsed / t["done"] * (t["total"] - t["done"])
+            print(f"glue {t['key']} seed {seed + 1}/{t['seeds']} epoch {epoch + 1}/{t['epochs']}: "
+                  f"{t['done'] * t['batch'] / elapsed:,.0f} examples/s, {left / 60:.1f} min left for {t['key']}",
+                  file=sys.stderr, flush=True)
 
 
 def run_task(run: Run, data: TaskData, seeds: int, protocol: Protocol, device: torch.device,
@@ -89,7 +110,8 @@ def run_task(run: Run, data: TaskData, seeds: int, protocol: Protocol, device: t
     regression = task.classes is None
     amp_dtype = autocast_dtype(run.config.train.precision, device)
     steps = total_steps(len(train_rows), protocol)
-    bar = bars.progress.add_task(task.key, total=seeds * steps, loss="")
+    bar = bars.add(task.key, seeds, steps, steps_per_epoch(len(train_rows), protocol.batch_size),
+                   protocol.batch_size, protocol.epochs)
     per_seed = []
     for seed in range(seeds):
         bars.progress.update(bar, description=f"{task.key} seed {seed + 1}/{seeds}")
