@@ -71,7 +71,7 @@ def test_embedding_gradient_is_a_dense_table_on_the_first_stage():
     # accumulating its weight gradients, nothing else.
     cluster = make_cluster("A100-80GB", 2)
     lo = Layout(pp=2, micro_batch=1, recompute="selective")
-    stage_fwd, stage_bwd, _ = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
+    stage_fwd, stage_bwd = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
     layer = layer_times(LLAMA, A100, cluster.links, seq, 1, 1, False, "selective", "flash")
     layers = 16 * (layer.forward.total + layer.backward.total + layer.recompute.total)
     accumulate = memory_s(stage_params(LLAMA, lo, 0) * 2 * cluster.stack.grad_bytes, A100)

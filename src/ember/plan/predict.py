@@ -28,13 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.plan import comm
+import math
+
+from ember.plan import comm, overlap
 from ember.plan.cluster import Cluster
 from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
 from ember.plan.layout import TrainShape
 from ember.plan.memory import BUCKET_BYTES, GIB, Memory, holds, memory, pipeline_ranks, stage_params
-from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s
+from ember.plan.timing import BACKWARD_KERNELS, Work, embed_times, head_times, layer_kernel_count, layer_times, memory_s
 
 ADAM_BYTES = 26
 
@@ -71,15 +73,18 @@ def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tu
     return micro_batches * slowest + bubble, bubble
 
 
-def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
-    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and the
-    seconds its compute could hide communication behind."""
+def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
+    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
+    stack = cluster.stack
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         lo.recompute, cluster.stack.attention)
+                         lo.recompute, stack.attention)
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
-    fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * (n * lo.recomputed_fraction(model.layers))
+    again = n * lo.recomputed_fraction(model.layers)
+    fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * again
+    kernels = layer_kernel_count(model, stack.attention)
+    fwd_kernels, bwd_kernels = n * kernels, n * kernels * BACKWARD_KERNELS + again * kernels
     if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
@@ -87,9 +92,22 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
         head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
-    accumulate = memory_s(stage_params(model, lo, stage) * 2 * cluster.stack.grad_bytes
-                          / (lo.dp_shard if lo.zero >= 2 else 1), cluster.gpu)
-    return fwd, bwd + Work(elementwise=accumulate), fwd.compute + bwd.compute
+    accumulate = memory_s(stage_params(model, lo, stage) * 2 * stack.grad_bytes
+                          / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
+    bwd = bwd + Work(elementwise=accumulate)
+    return _as_run(fwd, fwd_kernels, stack), _as_run(bwd, bwd_kernels, stack)
+
+
+def _as_run(work: Work, kernels: float, stack) -> Work:
+    """`work` as `stack` runs it: its kernels at `kernel_eff` of the planner's rates, and the
+    GPU idle while the host, launching `kernels` eagerly, falls behind the pass's compute."""
+    if stack.kernel_eff != 1.0:
+        work = Work(work.matmul / stack.kernel_eff, work.attention / stack.kernel_eff, work.elementwise,
+                    work.tp_comm, work.launch)
+    host = kernels * stack.host_s_per_kernel
+    if host > work.total:
+        work = work + Work(launch=host - work.total)
+    return work
 
 
 def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> float:
@@ -115,32 +133,34 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     stages = sorted(set(stand_in.values()))
     times, parts, dp_exposed, optimizer = {}, {}, 0.0, 0.0
     for i in stages:
-        fwd, bwd, hideable = _stage_work(model, cluster, shape, lo, i)
+        fwd, bwd = _stage_work(model, cluster, shape, lo, i)
         params = stage_params(model, lo, i)
+        grads = params * grad_bytes
+        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
         per_mb = 0.0
-        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients
-            gathers = (2 * comm.all_gather_s(params * 2, shard, links)
-                       + comm.reduce_scatter_s(params * grad_bytes, shard, links))
-            first_layer = comm.all_gather_s(params * 2 / max(lo.rank_layers(model)[i], 1), shard, links)
-            per_mb = max(0.0, gathers - hideable) + first_layer
-        elif lo.zero == 2:
-            per_mb = max(0.0, comm.reduce_scatter_s(params * grad_bytes, shard, links) - bwd.compute)
+        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
+            units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
+            gather = overlap.sharded_s(params * 2, units, shard, links)
+            scatter = overlap.sharded_s(grads, units, shard, links)
+            per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
+                      + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
+                                            stack.overlap_param_gather and stack.overlap_grad_reduce))
+        elif lo.zero == 2:  # gradients reduce-scattered as they appear, every micro-batch
+            scatter = overlap.sharded_s(grads, buckets, shard, links)
+            per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
         parts[i] = (fwd + bwd, per_mb)
 
-        grads = params * grad_bytes
         if lo.zero == 0:
             reduce = comm.all_reduce_s(grads, rep, links)
         elif lo.zero == 1:
             reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.dp_shard, rep, links)
         else:
             reduce = comm.all_reduce_s(grads / lo.dp_shard, rep, links)
-        if stack.overlap_grad_reduce:
-            bucket = reduce * min(1.0, BUCKET_BYTES / 2 / max(grads, 1.0))
-            reduce = max(bucket, reduce - bwd.compute)
+        # The last micro-batch's backward hides the step's reduction, all but its last bucket.
+        reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
         gather = comm.all_gather_s(params * 2, shard, links) if lo.zero in (1, 2) else 0.0
-        if stack.overlap_param_gather:
-            gather = max(0.0, gather - fwd.compute)
+        gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.dp_shard if lo.zero >= 1 else 1)
         optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
