@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import planner_sets  # noqa: E402
-from ember.plan import overlap  # noqa: E402
+import planner_sets
+
+from ember.plan import overlap
 
 KERNEL_EFF = [round(0.55 + 0.025 * i, 3) for i in range(21)]
 HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 50e-6, 60e-6, 80e-6, 100e-6]

@@ -26,17 +26,32 @@ stepping and zeroing); memory-bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-import math
-
-from ember.plan import comm, overlap
-from ember.plan.cluster import Cluster
 from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
+from ember.plan import comm, overlap, uncertainty
+from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
-from ember.plan.memory import BUCKET_BYTES, GIB, Memory, holds, memory, pipeline_ranks, stage_params
-from ember.plan.timing import BACKWARD_KERNELS, Work, embed_times, head_times, layer_kernel_count, layer_times, memory_s
+from ember.plan.memory import (
+    BUCKET_BYTES,
+    GIB,
+    Memory,
+    holds,
+    memory,
+    pipeline_ranks,
+    stage_params,
+)
+from ember.plan.timing import (
+    BACKWARD_KERNELS,
+    Work,
+    embed_times,
+    head_times,
+    layer_kernel_count,
+    layer_times,
+    memory_s,
+)
 
 ADAM_BYTES = 26
 
@@ -52,6 +67,7 @@ class Prediction:
     memory: Memory
     shares: dict[str, float]  # of the step time: compute, tp_comm, pp_comm, dp_comm, bubble, optimizer
     detail: dict[str, float] = field(default_factory=dict)
+    interval: dict = field(default_factory=dict)  # plan/uncertainty.py: the range measured runs fell in
 
     @property
     def fits(self) -> bool:
@@ -63,7 +79,7 @@ class Prediction:
                 "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gib_per_gpu": self.memory.total / GIB, "memory_capacity_gib": self.memory.capacity / GIB,
                 "memory_gib": self.memory.parts_gib(), "memory_stage": self.memory.stage, "fits": self.fits,
-                "time_shares": self.shares, "detail": self.detail}
+                "time_shares": self.shares, "detail": self.detail, "interval": self.interval}
 
 
 def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tuple[float, float]:
@@ -185,8 +201,9 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "elementwise_s": m * work.elementwise, "launch_s": m * work.launch, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention)
-    return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12,
-                      per_gpu * model_flops / gpu.peak_bf16_flops, mem, shares, detail)
+    mfu = per_gpu * model_flops / gpu.peak_bf16_flops
+    return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
+                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu))
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
