@@ -24,14 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import planner_sets  # noqa: E402
+import planner_sets
 
-from ember.plan.cluster import make_cluster  # noqa: E402
-from ember.plan.layout import TrainShape  # noqa: E402
-from ember.plan.models import PRESETS  # noqa: E402
-from ember.plan.search import search  # noqa: E402
-from ember.plan.stacks import stack  # noqa: E402
-from ember.plan.uncertainty import kind  # noqa: E402
+from ember.plan.cluster import make_cluster
+from ember.plan.layout import TrainShape
+from ember.plan.models import PRESETS
+from ember.plan.search import search
+from ember.plan.stacks import stack
+from ember.plan.uncertainty import kind
 
 REPO = Path(__file__).resolve().parents[1]
 # Narayanan et al. 2021 (arXiv 2104.04473), comparison with ZeRO-3: GPT-3 175B, global
@@ -67,11 +67,11 @@ def evaluate_set(name: str) -> dict:
         p = planner_sets.predict(run)
         error = (p.tokens_per_s_per_gpu - run.measured) / run.measured if run.measured else None
         lo, hi = p.interval["tokens_per_s_per_gpu"]
-        records.append(dict(run=run, prediction=p, error=error, inside=lo <= run.measured <= hi if error is not None
-                            else None))
-    return dict(name=name, records=records, skipped=skipped,
-                fitted=summarise([r for r in records if not r["run"].held_out]),
-                held_out=summarise([r for r in records if r["run"].held_out]))
+        inside = lo <= run.measured <= hi if error is not None else None
+        records.append({"run": run, "prediction": p, "error": error, "inside": inside})
+    return {"name": name, "records": records, "skipped": skipped,
+            "fitted": summarise([r for r in records if not r["run"].held_out]),
+            "held_out": summarise([r for r in records if r["run"].held_out])}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -95,13 +95,13 @@ def summarise(records: list[dict]) -> dict:
             rhos.append(spearman([r["run"].measured for r in members],
                                  [r["prediction"].tokens_per_s_per_gpu for r in members]))
     if not errors:
-        return dict(rows=0)
-    return dict(rows=len(errors), median=statistics.median(abs(e) for e in errors),
-                max=max(abs(e) for e in errors), bias=statistics.median(errors),
-                rho_groups=len(rhos), rho_median=statistics.median(rhos) if rhos else None,
-                rho_min=min(rhos) if rhos else None, rho_ok=sum(r >= 0.8 for r in rhos),
-                top3=top3, ranked_groups=ranked_groups,
-                inside=sum(bool(r["inside"]) for r in records if r["error"] is not None))
+        return {"rows": 0}
+    return {"rows": len(errors), "median": statistics.median(abs(e) for e in errors),
+            "max": max(abs(e) for e in errors), "bias": statistics.median(errors),
+            "rho_groups": len(rhos), "rho_median": statistics.median(rhos) if rhos else None,
+            "rho_min": min(rhos) if rhos else None, "rho_ok": sum(r >= 0.8 for r in rhos),
+            "top3": top3, "ranked_groups": ranked_groups,
+            "inside": sum(bool(r["inside"]) for r in records if r["error"] is not None)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -150,8 +150,9 @@ def fmt(s: dict) -> str:
 
 def report(results: list[dict], seconds: float) -> str:
     lines = [f"# ember plan accuracy against measured runs ({datetime.date.today().isoformat()})",
-             "# command: python benchmarks/planner_accuracy.py", "# error = (predicted - measured) / measured, "
-             "tokens/s per GPU; held out = whole groups with crc32(group) % 3 == 0", ""]
+             "# command: python benchmarks/planner_accuracy.py",
+             ("# error = (predicted - measured) / measured, tokens/s per GPU; "
+              "held out = whole groups with crc32(group) % 3 == 0"), ""]
     for res in results:
         skipped = ", ".join(f"{v} {k}" for k, v in res["skipped"].items())
         lines += [f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""),

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ember.atomic import write_text
 from ember.config import ConfigError
-from ember.plan.comm import Links
 from ember.hardware import GPU, GPUS, gpu_by_name
+from ember.plan.comm import Links
 
 PROFILE_FORMAT = "ember-plan-profile/1"
 
