@@ -13,11 +13,11 @@ embedding, the last the output layer and the loss, so unequal stages are priced 
 
 Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-1:
 reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
-gradients appear; ZeRO-3 also all-gathers weights before each forward and backward).
-Hybrid sharding adds an all-reduce of each shard over the replicas. Reductions overlap the
-backward pass they follow in buckets: only what exceeds that backward (and at least the last
-bucket) is exposed; ZeRO-1/2 weight gathers overlap the next forward pass likewise. Stacks
-without overlap pay all of it.
+gradients appear; ZeRO-3 also all-gathers weights before each forward and backward, one
+collective per sharded unit). Hybrid sharding adds an all-reduce of each shard over the
+replicas. What overlapping them with compute costs (contention, the exposed first gather
+and last bucket, what outlasts the compute) is plan/overlap.py's; stacks without overlap
+pay all of it.
 
 Optimizer. Adam streams every local parameter's master weight, moments and gradient
 through HBM once (reads and writes: 26 bytes + 3 gradient reads/writes for clipping,
