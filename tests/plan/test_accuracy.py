@@ -1,43 +1,74 @@
-"""The planner against published runs (benchmarks/planner_accuracy.py): the figures this
-test asserts are the ones reached when it was written, so a regression fails here."""
+"""The planner against measured public runs (benchmarks/planner_accuracy.py). The bounds are
+what was reached when this was written (benchmarks/results/2026-11-25-planner-accuracy.txt),
+so a regression fails here; the issue's targets (median 10%, bias within 5%, Spearman 0.8
+in every group, the measured best in the top three of every group) are stated in
+docs/planner.md with how far each set is from them."""
 
 import importlib.util
-import pytest
+import sys
 
+import pytest
 from conftest import REPO
 
-CSV = REPO / "benchmarks" / "data" / "published_runs.csv"
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py")
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
-def summary():
-    return _benchmark().evaluate(CSV.resolve())
+def accuracy():
+    return _module("planner_accuracy")
 
 
-def test_throughput_errors(summary):
-    # Reached: median 7.9%, max 12.5% over 18 rows, every row still optimistic (docs/planner.md).
-    # The target is a median of 10%; these bounds catch a regression from what was reached.
-    assert len([r for r in summary["records"] if r["error"] is not None]) == 18
-    assert summary["median_error"] <= 0.085
-    assert summary["max_error"] <= 0.13
+@pytest.fixture(scope="module")
+def published(accuracy):
+    return accuracy.evaluate_set("published_runs")
 
 
-def test_flagperf_sweep_ranking(summary):
-    # Reached 1.0 (target 0.8). tp2pp4 and tp4pp2, measured 1.2% apart, are predicted 0.4% apart,
-    # so a small change may swap them (0.964); anything worse is a regression.
-    assert summary["spearman"] >= 0.95
-    assert summary["top1"]
+def test_published_runs(published):
+    for part, median, bias in (("fitted", 0.04, 0.04), ("held_out", 0.09, 0.09)):
+        s = published[part]
+        assert s["rows"] >= 5
+        assert s["median"] <= median and abs(s["bias"]) <= bias and s["max"] <= 0.11
+        assert s["inside"] == s["rows"]  # every row inside its interval
+    sweep = published["fitted"]
+    assert sweep["rho_groups"] == 1 and sweep["rho_min"] >= 0.95 and sweep["top3"] == sweep["ranked_groups"]
 
 
-def test_out_of_memory_layout_is_predicted_not_to_fit(summary):
-    assert summary["oom_rows"] and summary["oom_predicted_not_fit"]
-    best = max((r for r in summary["records"] if r["row"]["source"].startswith("FlagPerf") and r["measured"]),
-               key=lambda r: r["measured"])
+def test_out_of_memory_layout_is_predicted_not_to_fit(published):
+    oom = [r for r in published["records"] if r["run"].oom]
+    assert oom and all(not r["prediction"].fits for r in oom)
+    best = max((r for r in published["records"] if r["run"].source == "FlagPerf" and r["run"].measured),
+               key=lambda r: r["run"].measured)
     assert best["prediction"].fits  # measured at 76 of 80 GiB: the margin must not reject it
+
+
+def _needs(name):
+    import planner_sets
+
+    if not planner_sets.available(name):
+        pytest.fail(f"{name} is not in {planner_sets.SHARED}: the shared planner data must sit beside the repository")
+
+
+def test_published_runs_more(accuracy):
+    _needs("published_runs_more")
+    result = accuracy.evaluate_set("published_runs_more")
+    for part in ("fitted", "held_out"):
+        s = result[part]
+        assert s["rows"] >= 50
+        assert s["median"] <= 0.105 and abs(s["bias"]) <= 0.03 and s["max"] <= 0.40
+
+
+def test_vtrain_rankings(accuracy):
+    _needs("vtrain")
+    result = accuracy.evaluate_set("vtrain")
+    for part in ("fitted", "held_out"):
+        s = result[part]
+        assert s["median"] <= 0.105 and abs(s["bias"]) <= 0.05 and s["max"] <= 0.30
+        assert s["rho_median"] >= 0.9 and s["rho_ok"] >= 0.85 * s["rho_groups"]
+        assert s["top3"] >= 0.88 * s["ranked_groups"]

@@ -3,17 +3,24 @@ fails if its effect is removed (see docs/planner.md, "The cost model")."""
 
 import pytest
 
+from ember.hardware import gpu_by_name
+from ember.layout import Layout
 from ember.plan import comm
 from ember.plan.cluster import make_cluster
 from ember.plan.comm import Links
-from ember.hardware import gpu_by_name
-from ember.layout import Layout
 from ember.plan.layout import TrainShape
-from ember.plan.models import PRESETS
 from ember.plan.memory import stage_params
+from ember.plan.models import PRESETS
 from ember.plan.predict import _stage_work, boundary_s, predict
-from ember.plan.timing import (KERNEL_S, embed_times, head_times, layer_kernel_count, layer_times,
-                               matmul_efficiency, memory_s)
+from ember.plan.timing import (
+    KERNEL_S,
+    embed_times,
+    head_times,
+    layer_kernel_count,
+    layer_times,
+    matmul_efficiency,
+    memory_s,
+)
 
 A100 = gpu_by_name("A100-80GB")
 LINKS = Links(8, A100.intra_gbps, A100.inter_gbps)
@@ -71,7 +78,7 @@ def test_embedding_gradient_is_a_dense_table_on_the_first_stage():
     # accumulating its weight gradients, nothing else.
     cluster = make_cluster("A100-80GB", 2)
     lo = Layout(pp=2, micro_batch=1, recompute="selective")
-    stage_fwd, stage_bwd, _ = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
+    stage_fwd, stage_bwd = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
     layer = layer_times(LLAMA, A100, cluster.links, seq, 1, 1, False, "selective", "flash")
     layers = 16 * (layer.forward.total + layer.backward.total + layer.recompute.total)
     accumulate = memory_s(stage_params(LLAMA, lo, 0) * 2 * cluster.stack.grad_bytes, A100)

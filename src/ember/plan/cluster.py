@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ember.atomic import write_text
 from ember.config import ConfigError
-from ember.plan.comm import Links
 from ember.hardware import GPU, GPUS, gpu_by_name
+from ember.plan.comm import Links
 
 PROFILE_FORMAT = "ember-plan-profile/1"
 
@@ -47,16 +47,27 @@ class Stack:
     (Megatron-LM's default with bf16: 18 bytes/param, gradients reduced in fp32).
     `overlap_grad_reduce`: data-parallel gradient reduction runs during the backward pass of
     the last micro-batch (DDP/FSDP buckets); `overlap_param_gather`: ZeRO-1/2 parameter
-    gathers after the optimizer step run during the next forward pass.
-    `selective`: what selective recomputation reruns: "elementwise" (ember, torchtitan:
-    matmuls, the attention kernel and collectives are kept, norms and activations rerun)
-    or "attention" (Megatron-LM, Korthikanti et al.: the attention core is rerun)."""
+    gathers after the optimizer step and ZeRO-3 gathers run ahead of the compute that needs
+    them (prefetch). `selective`: what selective recomputation reruns: "elementwise"
+    (ember, torchtitan: matmuls, the attention kernel and collectives are kept, norms and
+    activations rerun) or "attention" (Megatron-LM, Korthikanti et al.: the attention core
+    is rerun). Named stacks (`--stack`, plan/stacks.py) set all of these at once."""
 
     attention: str = "flash"
     grad_dtype: str = "bf16"
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     selective: str = "elementwise"
+    name: str = "ember"
+    # How many collectives ZeRO-3 issues per layer and pass: FSDP gathers a block as one
+    # flat unit (1); DeepSpeed fetches each parameter-holding sub-module (4 weights, 2 norms).
+    zero3_collectives_per_layer: int = 1
+    # Host time the framework spends per kernel it launches in eager mode (Python, autograd,
+    # hooks). The GPU waits when a pass's kernels are too small to outlast it.
+    host_s_per_kernel: float = 10e-6
+    # Share of the GPU table's matmul and attention rates this stack's kernels reach
+    # (1.0 for ember, whose rates `ember plan calibrate` measures; fitted for the others).
+    kernel_eff: float = 1.0
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

@@ -36,6 +36,8 @@ def register_plan(verbs) -> None:
     plan.add_argument("--precision", default="bf16", help="bf16 or fp16")
     plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style)")
     plan.add_argument("--attention", help="flash (default) or unfused")
+    plan.add_argument("--stack", help="the training software: ember (default), megatron, deepspeed or fsdp "
+                                      "(what each does: docs/planner.md)")
     plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
@@ -75,6 +77,10 @@ def _setup(args):
             raise ConfigError("say how many GPUs to plan for with --gpus.")
     gpu = " ".join(args.gpu) if args.gpu else None
     cluster = make_cluster(gpu, args.gpus, args.gpus_per_node, args.intra_bw, args.inter_bw, args.profile)
+    if args.stack is not None:
+        from ember.plan.stacks import stack
+
+        cluster = replace(cluster, stack=stack(args.stack.lower()))
     cluster = replace(cluster, stack=_stack(args, cluster.stack))
     if args.save_profile:
         write_profile(cluster, args.save_profile)
@@ -96,8 +102,8 @@ def _setup(args):
 
 
 def run_plan(args) -> int:
-    from ember.plan import report
     from ember.layout import problems
+    from ember.plan import report
     from ember.plan.layout import parse_layout
     from ember.plan.search import rank, runners_up, search
 
@@ -118,12 +124,13 @@ def run_plan(args) -> int:
         command = report.train_command(p, model, recipe, cluster, shape)
         if args.json:
             print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
-                              "command": command, "notes": report.command_notes(model, recipe, layout, shape)}, indent=2))
+                              "command": command, "notes": report.command_notes(model, recipe, layout, shape)
+                              + report.interval_notes([p])}, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
         report.print_text(console, report.memory_line(p) + "\n" + command)
-        for note in report.command_notes(model, recipe, layout, shape):
+        for note in report.command_notes(model, recipe, layout, shape) + report.interval_notes([p]):
             report.print_text(console, "note: " + note)
         return 0
 
@@ -142,7 +149,8 @@ def run_plan(args) -> int:
                "search_seconds": result.seconds, "layouts_considered": result.considered,
                "layouts_fitting": len(result.ranked), "best": best.to_dict() | {"command": command},
                "ranked": [p.to_dict() for p in result.ranked[: args.top]],
-               "notes": report.command_notes(model, recipe)}
+               "within_interval_of_best": report.ties(result.ranked),
+               "notes": report.interval_notes(result.ranked) + report.command_notes(model, recipe)}
         if args.explain:
             out["explain"] = report.explain(best, others, fastest_too_big)
         print(json.dumps(out, indent=2))
@@ -153,6 +161,8 @@ def run_plan(args) -> int:
     report.print_text(console, title)
     console.print(report.table(result.ranked[: args.top]))
     report.print_text(console, report.memory_line(best))
+    for note in report.interval_notes(result.ranked):
+        report.print_text(console, "note: " + note)
     if args.explain:
         report.print_text(console, "\n" + report.explain(best, others, fastest_too_big))
     report.print_text(console, "\ntrain with the best layout:\n" + command)

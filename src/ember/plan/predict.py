@@ -13,11 +13,11 @@ embedding, the last the output layer and the loss, so unequal stages are priced 
 
 Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-1:
 reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
-gradients appear; ZeRO-3 also all-gathers weights before each forward and backward).
-Hybrid sharding adds an all-reduce of each shard over the replicas. Reductions overlap the
-backward pass they follow in buckets: only what exceeds that backward (and at least the last
-bucket) is exposed; ZeRO-1/2 weight gathers overlap the next forward pass likewise. Stacks
-without overlap pay all of it.
+gradients appear; ZeRO-3 also all-gathers weights before each forward and backward, one
+collective per sharded unit). Hybrid sharding adds an all-reduce of each shard over the
+replicas. What overlapping them with compute costs (contention, the exposed first gather
+and last bucket, what outlasts the compute) is plan/overlap.py's; stacks without overlap
+pay all of it.
 
 Optimizer. Adam streams every local parameter's master weight, moments and gradient
 through HBM once (reads and writes: 26 bytes + 3 gradient reads/writes for clipping,
@@ -26,15 +26,32 @@ stepping and zeroing); memory-bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from ember.plan import comm
-from ember.plan.cluster import Cluster
 from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
+from ember.plan import comm, overlap, uncertainty
+from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
-from ember.plan.memory import BUCKET_BYTES, GIB, Memory, holds, memory, pipeline_ranks, stage_params
-from ember.plan.timing import Work, embed_times, head_times, layer_times, memory_s
+from ember.plan.memory import (
+    BUCKET_BYTES,
+    GIB,
+    Memory,
+    holds,
+    memory,
+    pipeline_ranks,
+    stage_params,
+)
+from ember.plan.timing import (
+    BACKWARD_KERNELS,
+    Work,
+    embed_times,
+    head_times,
+    layer_kernel_count,
+    layer_times,
+    memory_s,
+)
 
 ADAM_BYTES = 26
 
@@ -50,6 +67,7 @@ class Prediction:
     memory: Memory
     shares: dict[str, float]  # of the step time: compute, tp_comm, pp_comm, dp_comm, bubble, optimizer
     detail: dict[str, float] = field(default_factory=dict)
+    interval: dict = field(default_factory=dict)  # plan/uncertainty.py: the range measured runs fell in
 
     @property
     def fits(self) -> bool:
@@ -61,7 +79,7 @@ class Prediction:
                 "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gib_per_gpu": self.memory.total / GIB, "memory_capacity_gib": self.memory.capacity / GIB,
                 "memory_gib": self.memory.parts_gib(), "memory_stage": self.memory.stage, "fits": self.fits,
-                "time_shares": self.shares, "detail": self.detail}
+                "time_shares": self.shares, "detail": self.detail, "interval": self.interval}
 
 
 def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tuple[float, float]:
@@ -71,15 +89,18 @@ def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tu
     return micro_batches * slowest + bubble, bubble
 
 
-def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
-    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and the
-    seconds its compute could hide communication behind."""
+def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
+    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
+    stack = cluster.stack
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention)
+                         stack.recompute_policy(lo.recompute), stack.attention)
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
-    fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * (n * lo.recomputed_fraction(model.layers))
+    again = n * lo.recomputed_fraction(model.layers)
+    fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * again
+    kernels = layer_kernel_count(model, stack.attention)
+    fwd_kernels, bwd_kernels = n * kernels, n * kernels * BACKWARD_KERNELS + again * kernels
     if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
@@ -87,9 +108,22 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
         head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
-    accumulate = memory_s(stage_params(model, lo, stage) * 2 * cluster.stack.grad_bytes
-                          / (lo.dp_shard if lo.zero >= 2 else 1), cluster.gpu)
-    return fwd, bwd + Work(elementwise=accumulate), fwd.compute + bwd.compute
+    accumulate = memory_s(stage_params(model, lo, stage) * 2 * stack.grad_bytes
+                          / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
+    bwd = bwd + Work(elementwise=accumulate)
+    return _as_run(fwd, fwd_kernels, stack), _as_run(bwd, bwd_kernels, stack)
+
+
+def _as_run(work: Work, kernels: float, stack) -> Work:
+    """`work` as `stack` runs it: its kernels at `kernel_eff` of the planner's rates, and the
+    GPU idle while the host, launching `kernels` eagerly, falls behind the pass's compute."""
+    if stack.kernel_eff != 1.0:
+        work = Work(work.matmul / stack.kernel_eff, work.attention / stack.kernel_eff, work.elementwise,
+                    work.tp_comm, work.launch)
+    host = kernels * stack.host_s_per_kernel
+    if host > work.total:
+        work = work + Work(launch=host - work.total)
+    return work
 
 
 def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> float:
@@ -115,32 +149,34 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     stages = sorted(set(stand_in.values()))
     times, parts, dp_exposed, optimizer = {}, {}, 0.0, 0.0
     for i in stages:
-        fwd, bwd, hideable = _stage_work(model, cluster, shape, lo, i)
+        fwd, bwd = _stage_work(model, cluster, shape, lo, i)
         params = stage_params(model, lo, i)
+        grads = params * grad_bytes
+        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
         per_mb = 0.0
-        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients
-            gathers = (2 * comm.all_gather_s(params * 2, shard, links)
-                       + comm.reduce_scatter_s(params * grad_bytes, shard, links))
-            first_layer = comm.all_gather_s(params * 2 / max(lo.rank_layers(model)[i], 1), shard, links)
-            per_mb = max(0.0, gathers - hideable) + first_layer
-        elif lo.zero == 2:
-            per_mb = max(0.0, comm.reduce_scatter_s(params * grad_bytes, shard, links) - bwd.compute)
+        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
+            units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
+            gather = overlap.sharded_s(params * 2, units, shard, links)
+            scatter = overlap.sharded_s(grads, units, shard, links)
+            per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
+                      + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
+                                            stack.overlap_param_gather and stack.overlap_grad_reduce))
+        elif lo.zero == 2:  # gradients reduce-scattered as they appear, every micro-batch
+            scatter = overlap.sharded_s(grads, buckets, shard, links)
+            per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
         parts[i] = (fwd + bwd, per_mb)
 
-        grads = params * grad_bytes
         if lo.zero == 0:
             reduce = comm.all_reduce_s(grads, rep, links)
         elif lo.zero == 1:
             reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.dp_shard, rep, links)
         else:
             reduce = comm.all_reduce_s(grads / lo.dp_shard, rep, links)
-        if stack.overlap_grad_reduce:
-            bucket = reduce * min(1.0, BUCKET_BYTES / 2 / max(grads, 1.0))
-            reduce = max(bucket, reduce - bwd.compute)
+        # The last micro-batch's backward hides the step's reduction, all but its last bucket.
+        reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
         gather = comm.all_gather_s(params * 2, shard, links) if lo.zero in (1, 2) else 0.0
-        if stack.overlap_param_gather:
-            gather = max(0.0, gather - fwd.compute)
+        gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.dp_shard if lo.zero >= 1 else 1)
         optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
@@ -165,8 +201,9 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "elementwise_s": m * work.elementwise, "launch_s": m * work.launch, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention)
-    return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12,
-                      per_gpu * model_flops / gpu.peak_bf16_flops, mem, shares, detail)
+    mfu = per_gpu * model_flops / gpu.peak_bf16_flops
+    return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
+                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu))
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:

@@ -8,11 +8,12 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
-from ember.plan.cluster import Cluster
 from ember.layout import Layout, problems
+from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import GIB, total_params
 from ember.plan.predict import Prediction
+from ember.plan.uncertainty import overlaps
 
 # ModelConfig fields a preset sets when there is no recipe to point the trainer at.
 _MODEL_KEYS = ("objective", "hidden", "layers", "heads", "mlp_hidden", "activation", "norm", "bias",
@@ -68,7 +69,7 @@ def header(model, cluster: Cluster, shape: TrainShape) -> str:
 def table(predictions: list[Prediction]) -> Table:
     out = Table(header_style="bold")
     for name in ("#", "tp", "sp", "pp", "vpp", "dp", "zero", "mbs", "recompute", "step s", "tok/s/GPU",
-                 "TFLOP/s", "MFU", "GiB", "states+act+other", "comm", "bubble"):
+                 "TFLOP/s", "MFU", "MFU range", "GiB", "states+act+other", "comm", "bubble"):
         out.add_column(name, justify="left" if name in ("recompute",) else "right", no_wrap=True)
     for i, p in enumerate(predictions, 1):
         lo, mem = p.layout, p.memory
@@ -81,9 +82,42 @@ def table(predictions: list[Prediction]) -> Table:
         pp = str(lo.pp) + ("" if lo.pp == 1 or lo.schedule == "1f1b" else f" {lo.schedule}")
         out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", pp, str(lo.vpp) if lo.vpp > 1 else "", dp,
                     str(lo.zero), str(lo.micro_batch), lo.recompute, f"{p.step_time_s:.3g}",
-                    f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", size,
+                    f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", _range(p), size,
                     f"{states:.1f}+{acts:.1f}+{other:.1f}", f"{100 * comm:.1f}%", f"{100 * p.shares['bubble']:.1f}%")
     return out
+
+
+def _range(p: Prediction) -> str:
+    if not p.interval:
+        return ""
+    lo, hi = p.interval["mfu"]
+    return f"{100 * lo:.0f}-{100 * hi:.0f}%" + ("!" if p.interval["above_published"] else "")
+
+
+def ties(ranked: list[Prediction]) -> int:
+    """How many layouts, the best included, lie within each other's interval with the best:
+    the planner cannot order them, a measurement can."""
+    if not ranked or not ranked[0].interval:
+        return len(ranked[:1])
+    return 1 + sum(overlaps(ranked[0].interval, p.interval) for p in ranked[1:])
+
+
+def interval_notes(ranked: list[Prediction]) -> list[str]:
+    """What the intervals say about the ranking: near ties, and predictions beyond what
+    published runs reached."""
+    notes = []
+    if not ranked or not ranked[0].interval:
+        return notes
+    best = ranked[0]
+    lo, hi = best.interval["mfu"]
+    if best.interval.get("note"):
+        notes.append(best.interval["note"] + f"; expect {100 * lo:.0f}-{100 * hi:.0f}% MFU ('!' in the table).")
+    close = ties(ranked)
+    if close > 1:
+        notes.append(f"{close} layouts are within the best's interval ({100 * lo:.0f}-{100 * hi:.0f}% MFU, the "
+                     "10th-90th percentile of the planner's error on published runs of its kind): the ranking "
+                     "cannot tell them apart; measure the top few with `ember tune`.")
+    return notes
 
 
 def _seconds(p: Prediction) -> dict[str, float]:

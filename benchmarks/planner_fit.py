@@ -1,0 +1,79 @@
+"""Fit the overlap model's and the named stacks' few constants on the fitted public rows.
+
+    python benchmarks/planner_fit.py
+
+Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff` and
+`host_s_per_kernel` are chosen on a grid to minimise the median |log(predicted/measured)|
+of that stack's fitted rows; COMM_SLOWDOWN (plan/overlap.py) is shared by all stacks and
+chosen the same way over all fitted rows, each set weighted equally. Two rounds of
+coordinate descent. Prints the values; they are copied by hand into plan/stacks.py and
+plan/overlap.py, with the output committed under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import planner_sets
+
+from ember.plan import overlap
+
+KERNEL_EFF = [round(0.55 + 0.025 * i, 3) for i in range(21)]
+HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 50e-6, 60e-6, 80e-6, 100e-6]
+SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
+
+
+def fitted_runs() -> list:
+    runs = []
+    for name in planner_sets.SETS:
+        if planner_sets.available(name):
+            runs += [r for r in planner_sets.load(name)[0] if not r.held_out and r.measured]
+    return runs
+
+
+def with_stack(run, **changes):
+    cluster = dataclasses.replace(run.cluster, stack=dataclasses.replace(run.cluster.stack, **changes))
+    return dataclasses.replace(run, cluster=cluster)
+
+
+def score(runs: list) -> float:
+    by_set: dict[str, list[float]] = {}
+    for run in runs:
+        p = planner_sets.predict(run)
+        by_set.setdefault(run.set, []).append(abs(math.log(p.tokens_per_s_per_gpu / run.measured)))
+    return statistics.fmean(statistics.median(v) for v in by_set.values())
+
+
+def main() -> int:
+    runs = fitted_runs()
+    names = sorted({r.cluster.stack.name for r in runs})
+    print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
+    values = {n: {"kernel_eff": next(r for r in runs if r.cluster.stack.name == n).cluster.stack.kernel_eff,
+                  "host_s_per_kernel": next(r for r in runs if r.cluster.stack.name == n).cluster.stack.host_s_per_kernel}
+              for n in names}
+    for round_ in range(2):
+        for name in names:
+            mine = [r for r in runs if r.cluster.stack.name == name]
+            for key, grid in (("kernel_eff", KERNEL_EFF), ("host_s_per_kernel", HOST_S)):
+                best = min(grid, key=lambda v: score([with_stack(r, **(values[name] | {key: v})) for r in mine]))
+                values[name][key] = best
+        current = [with_stack(r, **values[r.cluster.stack.name]) for r in runs]
+        slow = []
+        for v in SLOWDOWN:
+            overlap.COMM_SLOWDOWN = v
+            slow.append((score(current), v))
+        overlap.COMM_SLOWDOWN = min(slow)[1]
+        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
+              + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us"
+                          for n, v in values.items()) + f"; score {min(slow)[0]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

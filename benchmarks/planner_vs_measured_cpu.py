@@ -1,0 +1,166 @@
+"""`ember plan` against measured step time and memory on this machine's CPU, layout by layout.
+
+Tests the structure of the cost model (pipeline bubble, exposed data-parallel and ZeRO
+communication, tensor-parallel traffic, recomputation, memory) against reality, which
+published rows cannot. Steps:
+
+1. Calibrate this machine: `torchrun --nproc-per-node=2 -m ember plan calibrate` (gloo),
+   which measures matmul, attention and memory rates and the collectives' bandwidth and
+   latency, and writes a profile.
+2. For each layout of a small model (configs/tiny-gpt.toml, 1-4 processes): `ember bench
+   --profile PROFILE --json` under torchrun, which trains a few steps and prints the
+   measured step time and peak memory beside the planner's prediction for that layout.
+3. Print predicted against measured step time and memory, the median step-time error,
+   and whether the measured fastest layout is in the planner's top two.
+
+Target (docs/planner.md): median step-time error at most 20%; measured fastest in the top two.
+Run it on a quiet machine: other work on the cores makes every timing wrong.
+
+    python benchmarks/planner_vs_measured_cpu.py              # ~15-25 minutes on 2 cores
+    python benchmarks/planner_vs_measured_cpu.py --dry-run    # the commands only
+
+Writes benchmarks/results/<date>-planner-vs-measured-cpu.{txt,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "configs" / "tiny-gpt.toml"
+MODEL = ["model.hidden=128", "model.layers=4", "model.heads=4", "model.mlp_hidden=384", "model.max_seq_len=128",
+         "train.device=cpu", "train.precision=fp32", "train.compile=false", "train.global_batch=8"]
+
+# name -> (processes, settings). DDP, ZeRO-1/2/3, tensor and pipeline parallelism with two
+# schedules, recomputation, and their mixes over 1-4 processes.
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "single": (1, ["train.micro_batch=8"]),
+    "single-accum4": (1, ["train.micro_batch=2"]),
+    "single-recompute": (1, ["train.micro_batch=8", "parallel.recompute=full"]),
+    "ddp2": (2, ["train.micro_batch=4", "parallel.zero=0", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "zero1x2": (2, ["train.micro_batch=4", "parallel.zero=1"]),
+    "zero2x2": (2, ["train.micro_batch=2", "parallel.zero=2"]),
+    "zero3x2": (2, ["train.micro_batch=4", "parallel.zero=3"]),
+    "zero3x2-recompute": (2, ["train.micro_batch=4", "parallel.zero=3", "parallel.recompute=full"]),
+    "tp2": (2, ["train.micro_batch=8", "parallel.tp=2"]),
+    "pp2-1f1b": (2, ["train.micro_batch=2", "parallel.pp=2", "parallel.schedule=1f1b"]),
+    "pp2-gpipe": (2, ["train.micro_batch=2", "parallel.pp=2", "parallel.schedule=gpipe"]),
+    "ddp4": (4, ["train.micro_batch=2", "parallel.zero=0", "parallel.dp_replicate=4", "parallel.dp_shard=1"]),
+    "tp2-zero1x2": (4, ["train.micro_batch=4", "parallel.tp=2", "parallel.zero=1"]),
+}
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def calibrate_command(profile: Path) -> list[str]:
+    return torchrun(2) + ["-m", "ember", "plan", "calibrate", "--out", str(profile), "--dtype", "fp32"]
+
+
+def bench_command(name: str, data: Path, profile: Path, steps: int) -> list[str]:
+    nproc, sets = LAYOUTS[name]
+    cmd = torchrun(nproc) + ["-m", "ember", "bench", str(RECIPE), "--data", str(data), "--steps", str(steps),
+                             "--warmup", "2", "--profile", str(profile), "--json"]
+    for item in MODEL + sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def prepare_data(folder: Path) -> Path:
+    corpus, data = folder / "stdlib.jsonl", folder / "data"
+    ember = [sys.executable, "-m", "ember"]
+    subprocess.run(ember + ["data", "corpus", "--out", str(corpus)], check=True, capture_output=True)
+    subprocess.run(ember + ["data", "prepare", str(corpus), "--out", str(data), "--tokenizer", "bpe",
+                            "--vocab-size", "2048", "--seq-len", "128"], check=True, capture_output=True)
+    return data
+
+
+def _run(cmd: list[str]) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:8])} ... failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def _json(stdout: str) -> dict:
+    start = stdout.index("{")
+    return json.loads(stdout[start:])
+
+
+def summarise(rows: list[dict]) -> dict:
+    errors = [r["predicted_step_s"] / r["measured_step_s"] - 1 for r in rows]
+    fastest = min(rows, key=lambda r: r["measured_step_s"])["layout"]
+    planner_top = [r["layout"] for r in sorted(rows, key=lambda r: r["predicted_step_s"])[:2]]
+    return {"median_abs_error": statistics.median(abs(e) for e in errors), "bias": statistics.median(errors),
+            "measured_fastest": fastest, "planner_top2": planner_top, "fastest_in_top2": fastest in planner_top}
+
+
+def report(rows: list[dict], summary: dict, args) -> str:
+    lines = [f"ember plan vs measured on this CPU ({os.cpu_count()} cores), {datetime.date.today()}",
+             f"command: python benchmarks/planner_vs_measured_cpu.py {' '.join(sys.argv[1:])}",
+             f"model: {RECIPE.name} with {' '.join(MODEL)}; {args.steps} measured steps after 2 warm-up",
+             "", f"{'layout':<20}{'procs':>6}{'pred s':>9}{'meas s':>9}{'error':>8}{'pred GiB':>10}{'meas GiB':>10}"]
+    for r in rows:
+        lines.append(f"{r['layout']:<20}{r['procs']:>6}{r['predicted_step_s']:>9.3f}{r['measured_step_s']:>9.3f}"
+                     f"{100 * (r['predicted_step_s'] / r['measured_step_s'] - 1):>+7.1f}%"
+                     f"{r['predicted_gib']:>10.3f}{r['measured_gib']:>10.3f}")
+    verdict = "in" if summary["fastest_in_top2"] else "NOT in"
+    lines += ["", (f"median |step-time error| {100 * summary['median_abs_error']:.1f}% "
+                   f"(bias {100 * summary['bias']:+.1f}%); target <= 20%"),
+              (f"measured fastest {summary['measured_fastest']}; planner's top two {summary['planner_top2']}: "
+               f"{verdict} the top two")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args(argv)
+    names = args.layouts.split(",")
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layouts {unknown}; choose from {', '.join(LAYOUTS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        profile, data = folder / "profile.json", folder / "data"
+        if args.dry_run:
+            print(" ".join(calibrate_command(profile)))
+            for name in names:
+                print(" ".join(bench_command(name, data, profile, args.steps)))
+            return 0
+        data = prepare_data(folder)
+        _run(calibrate_command(profile))
+        rows = []
+        for name in names:
+            result = _json(_run(bench_command(name, data, profile, args.steps)))
+            predicted = result.get("predicted")
+            if not predicted:
+                raise SystemExit(f"{name}: ember bench printed no prediction (is the profile readable?)")
+            rows.append({"layout": name, "procs": LAYOUTS[name][0], "measured_step_s": result["step_s"],
+                         "predicted_step_s": predicted["step_s"], "predicted_gib": predicted["memory_gib"],
+                         "measured_gib": max(r["peak_memory_gib"] for r in result["ranks"])})
+            print(rows[-1], flush=True)
+    summary = summarise(rows)
+    text = report(rows, summary, args)
+    print(text, end="")
+    stamp = f"{datetime.date.today()}-planner-vs-measured-cpu"
+    results = REPO / "benchmarks" / "results"
+    (results / f"{stamp}.txt").write_text(text)
+    (results / f"{stamp}.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

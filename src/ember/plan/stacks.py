@@ -1,0 +1,52 @@
+"""Named training software stacks: what each does where it changes cost (`--stack NAME`).
+
+Published runs were made with other software than ember's trainer. Predicting them means
+naming what that software does, not tuning ember's own constants to it:
+
+- `ember`: PyTorch SDPA (flash) attention, bf16 gradients, FSDP2-style per-block ZeRO-3
+  gathers with prefetch, DDP/FSDP bucketed reduction overlapped with the backward pass.
+- `megatron`: Megatron-LM / Megatron-Core with its defaults: fp32 main gradients, the
+  gradient all-reduce after the backward pass (--overlap-grad-reduce and
+  --overlap-param-gather are off unless asked for), Transformer Engine flash attention.
+  Megatron-LM before 2022 ran unfused attention: add `--attention unfused`.
+- `deepspeed`: Megatron-DeepSpeed: unfused attention, 2-byte gradients, no gradient
+  bucketing overlap, ZeRO-3 fetching each parameter-holding sub-module with its own
+  collective (four weights and two norms per block) and without reliable prefetch.
+- `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
+  reduced in fp32 (mixed-precision default), per-block gathers with prefetch.
+
+Two figures per stack are fitted on the fitted rows of the public sets
+(benchmarks/planner_fit.py; held-out rows never enter): `kernel_eff`, the share of the
+GPU table's matmul and attention rates the stack's kernels reach end to end, and
+`host_s_per_kernel`, the host time per launched kernel that bounds small passes. ember's
+are not fitted to other software: its kernel_eff is 1 (its rates are what `ember plan
+calibrate` measures) and its host time is that of eager PyTorch with fused blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ember.config import ConfigError
+from ember.plan.cluster import Stack
+
+# kernel_eff and host_s_per_kernel of megatron, deepspeed and fsdp: fitted
+# (benchmarks/results/2026-11-25-planner-fit.txt). Megatron-LM's selective recomputation
+# (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's and ember's rerun only
+# elementwise work.
+STACKS: dict[str, Stack] = {
+    "ember": Stack(name="ember"),
+    "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
+                      overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.975, selective="attention"),
+    "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
+                       overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=80e-6,
+                       kernel_eff=1.0, selective="attention"),
+    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=2e-6, kernel_eff=0.75),
+}
+
+
+def stack(name: str, **changes) -> Stack:
+    """The named stack, with `changes` (e.g. attention="unfused") applied."""
+    if name not in STACKS:
+        raise ConfigError(f"unknown --stack {name!r}; use one of {', '.join(STACKS)}.")
+    return replace(STACKS[name], **changes)

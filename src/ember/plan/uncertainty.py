@@ -1,0 +1,71 @@
+"""How sure a prediction is: an interval from the planner's own errors on published runs.
+
+Every prediction carries the range that measured throughput fell in for layouts of its
+kind on the public sets: with e = (predicted - measured) / measured over those rows, the
+10th and 90th percentiles p10 and p90 of e give measured throughput between
+predicted / (1 + p90) and predicted / (1 + p10). The percentiles below are printed by
+benchmarks/planner_accuracy.py ("interval table") over all rows of the three public sets
+and copied here; rerun it after changing the cost model.
+
+A prediction whose MFU exceeds the best MFU published for its GPU class is beyond what the
+public sets can vouch for: its interval is widened down to that figure, and the ranking
+says so. Two layouts whose intervals overlap cannot be told apart by the planner: measure
+them (`ember tune`).
+"""
+
+from __future__ import annotations
+
+from ember.layout import Layout
+
+# kind -> (p10, p90) of (predicted - measured) / measured on the public sets.
+ERROR_PERCENTILES: dict[str, tuple[float, float]] = {
+    "data": (-0.176, 0.106),  # 248 rows (2026-11-25-planner-accuracy.txt)
+    "pipeline": (-0.138, 0.167),  # 737 rows
+    "tensor": (-0.212, 0.195),  # 488 rows
+    "zero3": (-0.132, 0.216),  # 211 rows
+}
+
+# Best model-FLOPs utilisation published for dense bf16 training at scale, by GPU class:
+# A100: 55.2% (MegaScale, Jiang et al. 2024, 175B on 12,288 GPUs); H100: 49% (the
+# Megatron-Core weak-scaling table, published_runs_more.csv).
+BEST_PUBLISHED_MFU: dict[str, float] = {"A100": 0.552, "A800": 0.552, "H100": 0.49, "H800": 0.49, "H200": 0.49}
+
+
+def kind(layout: Layout) -> str:
+    """The class of layout whose published errors bound this one's."""
+    if layout.zero >= 3:
+        return "zero3"
+    if layout.pp > 1:
+        return "pipeline"
+    if layout.tp > 1:
+        return "tensor"
+    return "data"
+
+
+def best_published_mfu(gpu_name: str) -> float | None:
+    for prefix, mfu in BEST_PUBLISHED_MFU.items():
+        if gpu_name.upper().startswith(prefix):
+            return mfu
+    return None
+
+
+def interval(layout: Layout, gpu_name: str, tokens: float, mfu: float) -> dict:
+    """The range measured throughput is expected in (tokens/s per GPU and MFU), and why."""
+    low_err, high_err = ERROR_PERCENTILES[kind(layout)]
+    scale = (1 / (1 + high_err), 1 / (1 + low_err))
+    out = {"kind": kind(layout), "tokens_per_s_per_gpu": [tokens * s for s in scale],
+           "mfu": [mfu * s for s in scale], "above_published": False}
+    best = best_published_mfu(gpu_name)
+    if best is not None and mfu > best:
+        out["above_published"] = True
+        out["mfu"][0] = min(out["mfu"][0], best)
+        out["tokens_per_s_per_gpu"][0] = min(out["tokens_per_s_per_gpu"][0], tokens * best / mfu)
+        out["note"] = (f"predicted {100 * mfu:.0f}% MFU is above the best published for {gpu_name.split()[0]} "
+                       f"({100 * best:.0f}%): the public runs cannot vouch for it")
+    return out
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    """Whether two predictions' throughput intervals overlap."""
+    (a_lo, a_hi), (b_lo, b_hi) = a["tokens_per_s_per_gpu"], b["tokens_per_s_per_gpu"]
+    return a_lo <= b_hi and b_lo <= a_hi
