@@ -67,3 +67,31 @@ def test_fine_tuning_learns_a_learnable_task(objective, dataset, tmp_path, tmp_p
     results = run_glue(run, glue, tasks="rte", seeds=1, out=tmp_path / "r.json", progress=False,
                        protocol=Protocol(lr=3e-3, epochs=10))
     assert results["columns"]["RTE"] >= 0.9, results["tasks"]["rte"]
+
+
+def test_unpadded_batches_need_no_lengths():
+    for objective in ("causal", "mlm"):
+        model = _classifier(objective)
+        ids = torch.randint(5, 50, (3, 10))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), model(ids, torch.tensor([10, 10, 10])))
+
+
+def test_the_step_path_reads_nothing_back_from_the_device(monkeypatch):
+    """No .item(), float() or .tolist() per step: on a GPU each would wait for the step."""
+    from ember.eval.finetune import finetune
+
+    model = _classifier("mlm").train()
+    rows = [[1] + [5 + (i * j) % 40 for j in range(3 + i % 7)] for i in range(40)]
+    labels = [i % 3 for i in range(40)]
+    epochs = []
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a host read in the step path")
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    finetune(model, rows, labels, False, 0, 0, Protocol(epochs=2, batch_size=8), torch.device("cpu"), None,
+             on_epoch=lambda epoch, loss_sum, steps: epochs.append((epoch, loss_sum, steps)))
+    monkeypatch.undo()
+    assert [(e, s) for e, _, s in epochs] == [(0, 5), (1, 5)] and all(float(x) > 0 for _, x, _ in epochs)

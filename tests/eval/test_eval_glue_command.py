@@ -86,12 +86,41 @@ def test_not_a_run_and_the_wrong_tokenizer(run, tmp_path, capsys):
     assert "not the one the run was trained with" in capsys.readouterr().err
 
 
-def test_progress_is_a_line_per_epoch_when_output_is_not_a_terminal(run, tmp_path, capsys):
-    glue = write_glue(tmp_path / "glue", sizes=(16, 8))
-    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--seeds", "2",
-                 "--tasks", "rte,sst2"]) == 0
+def test_jobs_give_the_results_of_one_process(run, tmp_path):
+    """Each (task, seed) is seeded on its own, so where it runs changes nothing; the one-process
+    run uses the thread count each of the two workers gets, so even the float sums agree."""
+    import torch
+
+    from ember.eval.glue import run_glue
+    from ember.eval.glue_jobs import cpu_cores
+
+    glue = write_glue(tmp_path / "glue", sizes=(24, 10), folders=("CoLA", "STS-B"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cpu_cores() // 2))
+    try:
+        alone = run_glue(run, glue, tasks="cola,stsb", seeds=2, out=tmp_path / "one.json", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    together = run_glue(run, glue, tasks="cola,stsb", seeds=2, out=tmp_path / "two.json", progress=False, jobs=2)
+    assert together["jobs"] == 2
+    for key in ("cola", "stsb"):
+        assert together["tasks"][key]["per_seed"] == alone["tasks"][key]["per_seed"]
+    assert together["average"] == alone["average"]
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(run, tmp_path, capsys):
+    glue = write_glue(tmp_path / "glue", sizes=(40, 8), folders=("RTE",))
+    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                 "--seeds", "2", "--out", str(tmp_path / "r.json")]) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("glue ")]
-    # pytest's captured stderr is not a terminal: 2 tasks x 2 seeds x 5 epochs, in order.
-    assert len(lines) == 2 * 2 * 5
-    assert lines[0].startswith("glue rte seed 1/2 epoch 1/5: ") and "examples/s" in lines[0]
-    assert lines[-1].startswith("glue sst2 seed 2/2 epoch 5/5: ") and "0.0 min left" in lines[-1]
+    assert len(lines) == 2 * 5  # a line per epoch of each seed
+    assert lines[0].startswith("glue rte seed 1/2 epoch 1/5: ") and lines[-1].startswith("glue rte seed 2/2 epoch 5/5")
+    assert all("examples/s" in line and "min left" in line and "loss" in line for line in lines)
+
+
+def test_jobs_below_one_is_refused(run, tmp_path, capsys):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                 "--jobs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--jobs must be at least 1" in err and err.count("\n") == 1

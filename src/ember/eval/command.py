@@ -13,7 +13,8 @@ def _cmd_glue(args) -> int:
     from ember.eval.glue import results_table, run_glue
 
     results = run_glue(args.checkpoint, args.glue_dir, tasks=args.tasks, seeds=args.seeds,
-                       tokenizer=args.tokenizer, out=args.out, device=args.device, progress=not args.quiet)
+                       tokenizer=args.tokenizer, out=args.out, device=args.device, progress=not args.quiet,
+                       jobs=args.jobs)
     console = Console()
     console.print(results_table(results))
     console.print(f"results written to {results['path']}")
@@ -52,7 +53,10 @@ def register_eval(verbs) -> None:
     glue.add_argument("--tokenizer", help="tokenizer.json (default: the one in the run directory)")
     glue.add_argument("--out", help="results file (.json) or folder (default: RUN_DIR/eval/glue/results.json)")
     glue.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    glue.add_argument("--quiet", action="store_true", help="no progress bars")
+    glue.add_argument("--jobs", type=int, default=1,
+                      help="fine-tuning runs (tasks x seeds) at once, in processes on the CPU, each with "
+                           "cores/jobs threads (default 1)")
+    glue.add_argument("--quiet", action="store_true", help="no progress (bars in a terminal, lines elsewhere)")
     glue.set_defaults(func=_cmd_glue)
 
     lm = evals.add_parser("lm", help="held-out loss, perplexity and token accuracy on prepared data")

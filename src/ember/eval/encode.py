@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from ember.eval.glue_tasks import Split
@@ -58,15 +57,6 @@ def encode_split(split: Split, tok: Tokenizer, special_tokens: dict, objective: 
         keep_a, keep_b = truncate_pair(len(a), len(b), budget)
         out.append(prefix + a[:keep_a] + [sep] + b[:keep_b] + [sep])
     return out
-
-
-def pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, longest] and the true lengths [B]."""
-    lengths = torch.tensor([len(r) for r in rows])
-    ids = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-    return ids, lengths
 
 
 def train_batches(lengths: list[int], batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:

@@ -6,6 +6,12 @@ LM reads its last real token, the only one that has seen the whole input, so the
 objectives are compared on equal terms. Either way the hidden state goes through the
 model's own final norm, then BERT's pooler (dense + tanh), dropout and a linear layer.
 The pooler is new and randomly initialised: ember pretrains no next-sentence task.
+
+The step path reads nothing back from the device: the examples are padded into one array
+once, a batch is a slice of it, the running loss stays on the device until the end of an
+epoch, and a batch without padding passes no attention mask (SDPA keeps its fast
+kernels). AdamW is torch's fused kernel where it has one (CPU, CUDA): the same update in
+one kernel per step instead of a loop over the parameter tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.eval.encode import equal_length_batches, pad, steps_per_epoch, train_batches
+from ember.eval.encode import equal_length_batches, steps_per_epoch, train_batches
 from ember.model import Transformer
 from ember.device import autocast
 
@@ -37,7 +43,8 @@ class Protocol:
     weight_decay: float = 0.0
     max_len: int = 128
     dropout: float = 0.1
-    eval_batch: int = 64
+    eval_batch: int = 256  # examples of one length per prediction batch (no padding)
+    fused: bool = True  # AdamW's fused kernel where torch has one; False: its loop over tensors
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,12 +63,18 @@ class Classifier(nn.Module):
             nn.init.normal_(layer.weight, std=encoder.cfg.init_std)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] right-padded, lengths [B] -> logits [B, outputs] (scores for regression)."""
-        real = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
-        h = self.encoder.trunk(ids, key_padding_mask=real)
-        at = torch.zeros_like(lengths) if self.first_token else lengths - 1
-        pooled = self.encoder.norm(h[torch.arange(len(ids), device=ids.device), at])
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] right-padded, lengths [B] -> logits [B, outputs] (scores for regression);
+        lengths None: no example is padded."""
+        if lengths is None:
+            h = self.encoder.trunk(ids)
+            pooled = h[:, 0] if self.first_token else h[:, -1]
+        else:
+            real = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
+            h = self.encoder.trunk(ids, key_padding_mask=real)
+            at = torch.zeros_like(lengths) if self.first_token else lengths - 1
+            pooled = h[torch.arange(len(ids), device=ids.device), at]
+        pooled = self.encoder.norm(pooled)
         pooled = torch.tanh(self.pooler(self.drop(pooled)))
         return self.out(self.drop(pooled))
 
@@ -79,34 +92,56 @@ def total_steps(n: int, p: Protocol) -> int:
     return p.epochs * steps_per_epoch(n, p.batch_size)
 
 
+def padded_array(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every example right-padded to the longest, [N, longest], and the lengths [N]."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    ids = np.full((len(rows), int(lengths.max())), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+    return ids, lengths
+
+
+def make_optimizer(params: list, p: Protocol, device: torch.device) -> torch.optim.Optimizer:
+    fused = p.fused and device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+                             **({"fused": True} if fused else {}))
+
+
 def finetune(model: Classifier, rows: list[list[int]], labels: list, regression: bool, pad_id: int,
              seed: int, p: Protocol, device: torch.device, amp_dtype: torch.dtype | None,
-             on_step: Callable[[int, torch.Tensor], None] = lambda step, loss: None) -> None:
-    """Train `model` in place; `seed` orders the data (the caller seeds the head and dropout)."""
+             on_step: Callable[[int, torch.Tensor], None] = lambda step, loss: None,
+             on_epoch: Callable[[int, torch.Tensor, int], None] = lambda epoch, loss_sum, steps: None) -> None:
+    """Train `model` in place; `seed` orders the data (the caller seeds the head and dropout).
+    `on_epoch(epoch, summed loss on the device, steps)` follows each epoch."""
     model.to(device).train()
-    params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+    optimizer = make_optimizer([q for q in model.parameters() if q.requires_grad], p, device)
     rng = np.random.default_rng(seed)
     target = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
-    lengths = [len(r) for r in rows]
+    ids_all, lengths = padded_array(rows, pad_id)
     total, step = total_steps(len(rows), p), 0
-    for _ in range(p.epochs):
+    for epoch in range(p.epochs):
+        loss_sum, first = torch.zeros((), device=device), step
         for batch in train_batches(lengths, p.batch_size, rng):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total, p)
-            ids, lens = pad([rows[i] for i in batch], pad_id)
-            y = target[batch].to(device)
+            lens = lengths[batch]
+            longest = int(lens.max())
+            ids = torch.from_numpy(ids_all[batch, :longest]).to(device, non_blocking=True)
+            lens = None if int(lens.min()) == longest else torch.from_numpy(lens).to(device, non_blocking=True)
+            y = target[torch.from_numpy(batch)].to(device, non_blocking=True)
             with autocast(device, amp_dtype):
-                out = model(ids.to(device), lens.to(device)).float()
+                out = model(ids, lens).float()
             loss = F.mse_loss(out.squeeze(-1), y) if regression else F.cross_entropy(out, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
             on_step(step, loss.detach())
             step += 1
+        on_epoch(epoch, loss_sum, step - first)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict(model: Classifier, rows: list[list[int]], regression: bool, p: Protocol,
             device: torch.device, amp_dtype: torch.dtype | None) -> list:
     """Class indices (or scores) in the order of `rows`."""
@@ -114,9 +149,8 @@ def predict(model: Classifier, rows: list[list[int]], regression: bool, p: Proto
     out: list = [None] * len(rows)
     for batch in equal_length_batches([len(r) for r in rows], p.eval_batch):
         ids = torch.tensor([rows[i] for i in batch], device=device)
-        lens = torch.full((len(batch),), ids.shape[1], device=device)
         with autocast(device, amp_dtype):
-            scores = model(ids, lens).float()
+            scores = model(ids).float()
         values = scores.squeeze(-1).tolist() if regression else scores.argmax(-1).tolist()
         for i, value in zip(batch, values):
             out[i] = value

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,12 +22,12 @@ from rich.table import Table
 
 from ember.config import ConfigError
 from ember.atomic import write_text
-from ember.eval.encode import encode_split, steps_per_epoch
-from ember.eval.finetune import Classifier, Protocol, finetune, predict, total_steps
+from ember.eval.encode import encode_split
+from ember.eval.finetune import Protocol, total_steps
+from ember.eval.glue_jobs import Unit, fit_and_score, run_parallel
 from ember.eval.glue_tasks import COLUMNS, TaskData, load_task, parse_tasks
-from ember.eval.metrics import compute
 from ember.eval.run import Run, open_run
-from ember.device import autocast_dtype, device_name, pick_device
+from ember.device import device_name, pick_device
 
 CONVENTION = ("each metric is the median over seeds; a column's score is the mean of its metrics "
               "(MRPC, QQP: F1 and accuracy; STS-B: Pearson and Spearman); MNLI-m and MNLI-mm are "
@@ -57,16 +56,15 @@ def column_scores(tasks: dict) -> dict[str, float]:
 
 
 class _Bars:
-    """One progress bar per task, counting optimizer steps over all its seeds; when stderr
-    is not a terminal (a log file, a pipe, a batch job), a plain line per epoch instead:
-    task, seed, epoch, examples/s and the time the task has left."""
+    """One progress bar per task, counting optimizer steps over all its seeds, in a
+    terminal; elsewhere (a log file, a pipe, a batch job) and with --jobs, a plain line
+    per epoch of each seed instead (`glue_jobs.EpochLines`)."""
 
-    def __init__(self, enabled: bool):
-        self.plain = enabled and not sys.stderr.isatty()
+    def __init__(self, enabled: bool, jobs: int = 1):
+        self.lines = enabled and (jobs > 1 or not sys.stderr.isatty())
         self.progress = Progress(TextColumn("[bold]{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(),
-                                 console=Console(stderr=True), disable=not enabled or self.plain)
-        self.tasks: dict = {}
+                                 console=Console(stderr=True), disable=not enabled or self.lines)
 
     def __enter__(self):
         self.progress.start()
@@ -75,81 +73,81 @@ class _Bars:
     def __exit__(self, *exc):
         self.progress.stop()
 
-    def add(self, key: str, seeds: int, steps: int, per_epoch: int, batch_size: int, epochs: int):
-        bar = self.progress.add_task(key, total=seeds * steps, loss="")
-        self.tasks[bar] = {"key": key, "seeds": seeds, "total": seeds * steps, "per_epoch": per_epoch,
-                           "batch": batch_size, "epochs": epochs, "done": 0, "start": time.perf_counter()}
-        return bar
-
     def step(self, bar, step: int, loss: torch.Tensor) -> None:
-        # Reading the loss waits for the GPU: only every 25 steps.
+        if self.progress.disable:
+            return
+        # Reading the loss waits for the device: only every 25 steps.
         fields = {"loss": f"loss {float(loss):.3f}"} if step % 25 == 0 else {}
         self.progress.update(bar, advance=1, **fields)
-        t = self.tasks[bar]
-        t["done"] += 1
-        if self.plain and t["done"] % t["per_epoch"] == 0:
-            elapsed = time.perf_counter() - t["start"]
-            epochs_done = t["done"] // t["per_epoch"]
-            seed, epoch = divmod(epochs_done - 1, t["epochs"])
-            left = elapsed / t["done"] * (t["total"] - t["done"])
-            print(f"glue {t['key']} seed {seed + 1}/{t['seeds']} epoch {epoch + 1}/{t['epochs']}: "
-                  f"{t['done'] * t['batch'] / elapsed:,.0f} examples/s, {left / 60:.1f} min left for {t['key']}",
-                  file=sys.stderr, flush=True)
 
 
-def run_task(run: Run, data: TaskData, seeds: int, protocol: Protocol, device: torch.device,
-             bars: _Bars) -> dict:
-    task, started = data.task, time.perf_counter()
+def task_units(run: Run, data: TaskData, seeds: int, protocol: Protocol, checkpoint: str,
+               tokenizer: str | None, device: str) -> list[Unit]:
+    """The task's examples encoded once, and one fine-tuning unit per seed."""
     max_len = min(protocol.max_len, run.config.model.max_seq_len)
 
     def encode(split):
         return encode_split(split, run.tokenizer, run.special_tokens, run.objective, max_len)
 
     train_rows = encode(data.train)
-    dev_rows = {column: encode(split) for column, split in data.dev.items()}
-    regression = task.classes is None
-    amp_dtype = autocast_dtype(run.config.train.precision, device)
-    steps = total_steps(len(train_rows), protocol)
-    bar = bars.add(task.key, seeds, steps, steps_per_epoch(len(train_rows), protocol.batch_size),
-                   protocol.batch_size, protocol.epochs)
-    per_seed = []
-    for seed in range(seeds):
-        bars.progress.update(bar, description=f"{task.key} seed {seed + 1}/{seeds}")
-        torch.manual_seed(seed)  # the head's initialisation and the dropout masks
-        model = Classifier(run.build_model(dropout=protocol.dropout), 1 if regression else len(task.classes),
-                           protocol.dropout)
-        finetune(model, train_rows, data.train.labels, regression, run.special_tokens["pad"], seed, protocol,
-                 device, amp_dtype, on_step=lambda step, loss: bars.step(bar, step, loss))
-        per_seed.append({column: compute(task.metrics, predict(model, rows, regression, protocol, device, amp_dtype),
-                                         data.dev[column].labels)
-                         for column, rows in dev_rows.items()})
-        del model
+    dev = {column: (encode(split), split.labels) for column, split in data.dev.items()}
+    task = data.task
+    outputs = 1 if task.classes is None else len(task.classes)
+    return [Unit(checkpoint, tokenizer, task.key, task.metrics, outputs, seed, seeds, train_rows,
+                 data.train.labels, dev, protocol, device) for seed in range(seeds)]
+
+
+def task_result(data: TaskData, done: list[dict], steps: int) -> dict:
+    per_seed = [d["metrics"] for d in sorted(done, key=lambda d: d["seed"])]
     return {"metrics": aggregate(per_seed), "per_seed": per_seed, "train_examples": len(data.train),
             "dev_examples": {column: len(split) for column, split in data.dev.items()},
             "skipped_rows": data.train.skipped + sum(s.skipped for s in data.dev.values()),
-            "steps_per_seed": steps, "seconds": round(time.perf_counter() - started, 2)}
+            "steps_per_seed": steps, "seconds": round(sum(d["seconds"] for d in done), 2)}
 
 
 def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = None, seeds: int = 5,
              tokenizer: str | Path | None = None, out: str | Path | None = None, device: str = "auto",
-             progress: bool = True, protocol: Protocol = Protocol()) -> dict:
-    """Fine-tune and score every requested task; write and return the results."""
+             progress: bool = True, protocol: Protocol = Protocol(), jobs: int = 1) -> dict:
+    """Fine-tune and score every requested task; write and return the results. `jobs` > 1
+    runs that many fine-tuning runs (tasks and seeds) at once in processes on the CPU."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, not {seeds}; the protocol's median is over 5.")
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be at least 1, not {jobs}.")
     run = open_run(checkpoint, tokenizer)
     chosen = parse_tasks(tasks)
     data = [load_task(Path(glue_dir), task) for task in chosen]  # every file checked before any compute
     target = results_path(run, out)
     dev = pick_device(device)
+    if jobs > 1 and dev.type != "cpu":
+        raise ConfigError(f"--jobs {jobs} runs fine-tuning processes on the CPU; on {device_name(dev)} "
+                          "use --jobs 1 (or --device cpu).")
     results = {
         "checkpoint": str(run.run_dir), "weights": str(run.weights), "tokenizer": str(run.tokenizer_path),
         "objective": run.objective, "pooling": "first token" if run.objective == "mlm" else "last token",
         "protocol": protocol.to_dict() | {"max_len": min(protocol.max_len, run.config.model.max_seq_len)},
-        "seeds": list(range(seeds)), "device": device_name(dev), "convention": CONVENTION, "tasks": {},
+        "seeds": list(range(seeds)), "device": device_name(dev), "jobs": jobs, "convention": CONVENTION,
+        "tasks": {},
     }
-    with _Bars(progress) as bars:
-        for task_data in data:
-            results["tasks"][task_data.task.key] = run_task(run, task_data, seeds, protocol, dev, bars)
+    tok = None if tokenizer is None else str(tokenizer)
+    units = [task_units(run, d, seeds, protocol, str(checkpoint), tok, str(dev)) for d in data]
+    with _Bars(progress, jobs) as bars:
+        if jobs > 1:
+            flat = run_parallel([u for task in units for u in task], jobs, bars.lines)
+            done = {d.task.key: [r for r in flat if r["task"] == d.task.key] for d in data}
+        else:
+            done = {}
+            for d, task in zip(data, units):
+                steps = total_steps(len(task[0].train_rows), protocol)
+                bar = bars.progress.add_task(d.task.key, total=seeds * steps, loss="")
+                done[d.task.key] = []
+                for unit in task:
+                    bars.progress.update(bar, description=f"{d.task.key} seed {unit.seed + 1}/{seeds}")
+                    done[d.task.key].append(fit_and_score(
+                        unit, run, lambda step, loss, bar=bar: bars.step(bar, step, loss), bars.lines))
+    for d, task in zip(data, units):
+        results["tasks"][d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows),
+                                                                                     protocol))
     results["columns"] = column_scores(results["tasks"])
     results["average"] = sum(results["columns"].values()) / len(results["columns"])
     results["complete"] = list(results["columns"]) == list(COLUMNS)
