@@ -40,7 +40,18 @@ from ember.plan.models import PRESETS, ModelSpec
 from ember.plan.stacks import stack
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("EMBER_PLANNER_DATA", REPO.parent / "shared" / "planner"))
+def _shared() -> Path:
+    """The public planner data: $EMBER_PLANNER_DATA, else a `shared/planner` folder beside
+    the repository or its parent's (where this workplace keeps it)."""
+    if os.environ.get("EMBER_PLANNER_DATA"):
+        return Path(os.environ["EMBER_PLANNER_DATA"])
+    for candidate in (REPO.parent / "shared" / "planner", Path("/work/shared/planner")):
+        if candidate.is_dir():
+            return candidate
+    return REPO.parent / "shared" / "planner"
+
+
+SHARED = _shared()
 SETS = ("published_runs", "published_runs_more", "vtrain")
 
 # What each source ran (named stacks, plan/stacks.py; see docs/planner.md "Stacks").
