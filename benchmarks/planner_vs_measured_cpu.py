@@ -36,25 +36,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "tiny-gpt.toml"
-MODEL = ["model.hidden=128", "model.layers=4", "model.heads=4", "model.mlp_hidden=384", "model.max_seq_len=128",
-         "train.device=cpu", "train.precision=fp32", "train.compile=false", "train.global_batch=8"]
+# Large enough that matmuls, not per-operator host overhead, fill most of a step.
+MODEL = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.mlp_hidden=768", "model.max_seq_len=128",
+         "train.device=cpu", "train.precision=fp32", "train.compile=false", "train.global_batch=16"]
 
 # name -> (processes, settings). DDP, ZeRO-1/2/3, tensor and pipeline parallelism with two
 # schedules, recomputation, and their mixes over 1-4 processes.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "single": (1, ["train.micro_batch=8"]),
-    "single-accum4": (1, ["train.micro_batch=2"]),
-    "single-recompute": (1, ["train.micro_batch=8", "parallel.recompute=full"]),
-    "ddp2": (2, ["train.micro_batch=4", "parallel.zero=0", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "zero1x2": (2, ["train.micro_batch=4", "parallel.zero=1"]),
-    "zero2x2": (2, ["train.micro_batch=2", "parallel.zero=2"]),
-    "zero3x2": (2, ["train.micro_batch=4", "parallel.zero=3"]),
-    "zero3x2-recompute": (2, ["train.micro_batch=4", "parallel.zero=3", "parallel.recompute=full"]),
-    "tp2": (2, ["train.micro_batch=8", "parallel.tp=2"]),
-    "pp2-1f1b": (2, ["train.micro_batch=2", "parallel.pp=2", "parallel.schedule=1f1b"]),
-    "pp2-gpipe": (2, ["train.micro_batch=2", "parallel.pp=2", "parallel.schedule=gpipe"]),
-    "ddp4": (4, ["train.micro_batch=2", "parallel.zero=0", "parallel.dp_replicate=4", "parallel.dp_shard=1"]),
-    "tp2-zero1x2": (4, ["train.micro_batch=4", "parallel.tp=2", "parallel.zero=1"]),
+    "single": (1, ["train.micro_batch=16"]),
+    "single-accum4": (1, ["train.micro_batch=4"]),
+    "single-recompute": (1, ["train.micro_batch=16", "parallel.recompute=full"]),
+    "ddp2": (2, ["train.micro_batch=8", "parallel.zero=0", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "zero1x2": (2, ["train.micro_batch=8", "parallel.zero=1"]),
+    "zero2x2": (2, ["train.micro_batch=4", "parallel.zero=2"]),
+    "zero3x2": (2, ["train.micro_batch=8", "parallel.zero=3"]),
+    "zero3x2-recompute": (2, ["train.micro_batch=8", "parallel.zero=3", "parallel.recompute=full"]),
+    "tp2": (2, ["train.micro_batch=16", "parallel.tp=2"]),
+    "pp2-1f1b": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b"]),
+    "pp2-gpipe": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=gpipe"]),
+    "ddp4": (4, ["train.micro_batch=4", "parallel.zero=0", "parallel.dp_replicate=4", "parallel.dp_shard=1"]),
+    "tp2-zero1x2": (4, ["train.micro_batch=8", "parallel.tp=2", "parallel.zero=1"]),
 }
 
 
@@ -64,6 +65,26 @@ def torchrun(nproc: int) -> list[str]:
 
 def calibrate_command(profile: Path) -> list[str]:
     return torchrun(2) + ["-m", "ember", "plan", "calibrate", "--out", str(profile), "--dtype", "fp32"]
+
+
+def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
+    """The profile of a rank when `nproc` processes share `cores` cores: every rate the
+    calibration measured (matmul, memory copy, collectives) divided among them. With one
+    thread per process, a rank is one core when nproc <= cores."""
+    if nproc <= cores:
+        return profile
+    share = cores / nproc
+    data = json.loads(profile.read_text())
+    for key in ("peak_bf16_flops", "hbm_gbps", "intra_gbps", "inter_gbps"):
+        if key in data["gpu"]:
+            data["gpu"][key] *= share
+    for key in ("intra_gbps", "inter_gbps"):
+        if key in data["links"]:
+            data["links"][key] *= share
+    data["source"] += f"; {nproc} processes on {cores} cores: rates x {share:g}"
+    out = profile.with_name(f"{profile.stem}-{nproc}procs.json")
+    out.write_text(json.dumps(data, indent=1))
+    return out
 
 
 def bench_command(name: str, data: Path, profile: Path, steps: int) -> list[str]:
@@ -85,7 +106,10 @@ def prepare_data(folder: Path) -> Path:
 
 
 def _run(cmd: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    # One thread per process in every run, the calibration's included (torchrun sets this
+    # only for several processes): a rank is then one core, as the profile describes it.
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:8])} ... failed:\n{done.stderr[-3000:]}")
@@ -144,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         _run(calibrate_command(profile))
         rows = []
         for name in names:
-            result = _json(_run(bench_command(name, data, profile, args.steps)))
+            rank_profile = shared_profile(profile, LAYOUTS[name][0], os.cpu_count() or 1)
+            result = _json(_run(bench_command(name, data, rank_profile, args.steps)))
             predicted = result.get("predicted")
             if not predicted:
                 raise SystemExit(f"{name}: ember bench printed no prediction (is the profile readable?)")

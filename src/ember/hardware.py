@@ -51,6 +51,10 @@ class GPU:
     matmul_eff: float = 0.75
     attn_eff: float = 0.5
     hbm_eff: float = 0.8  # streaming kernels reach 80-90% of the datasheet bandwidth
+    # Memory the device holds outside the training program: the CUDA context, cuBLAS and
+    # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
+    # group), which a calibration measures.
+    runtime_gib: float = 1.0
 
 
 _NV_A100 = dict(sms=108, intra_gbps=300.0, inter_gbps=25.0, matmul_eff=0.86, attn_eff=0.62)

@@ -196,7 +196,7 @@ def machine_memory_gib() -> float:
         return 8.0
 
 
-def describe_device(device: torch.device, local_world: int) -> tuple[object, dict]:
+def describe_device(device: torch.device, local_world: int, idle_bytes: int | None = None) -> tuple[object, dict]:
     """(the GPU table's row or None, and name / memory_gib / sms of what was measured)."""
     from ember.hardware import find_gpu
 
@@ -207,7 +207,7 @@ def describe_device(device: torch.device, local_world: int) -> tuple[object, dic
                                 "sms": props.multi_processor_count}
     # The processes of one machine share its memory and its cores.
     return None, {"name": "cpu (calibrated)", "memory_gib": machine_memory_gib() / local_world,
-                  "sms": torch.get_num_threads()}
+                  "sms": torch.get_num_threads(), "runtime_gib": idle_bytes / 2**30 if idle_bytes else None}
 
 
 def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
@@ -225,6 +225,8 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
         gpu = {"name": device["name"], "peak_bf16_flops": best["tflops"] * 1e12,
                "memory_gib": round(device["memory_gib"], 2), "sms": device["sms"], "hbm_gbps": round(copy_gbps, 2),
                "matmul_eff": 1.0, "hbm_eff": 1.0}
+        if device.get("runtime_gib"):
+            gpu["runtime_gib"] = round(device["runtime_gib"], 3)
         base = GPU(device["name"], gpu["peak_bf16_flops"], device["memory_gib"], "$^")
     if attention is not None:
         gpu["attn_eff"] = attention_efficiency(attention, base)
@@ -243,7 +245,12 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
     measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
                 "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps,
                 "attention": attention, **collectives}
-    return {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+    profile = {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+    if device["name"] == "cpu (calibrated)":
+        # gloo's collectives run on the same cores as the compute they would hide behind:
+        # on a CPU nothing overlaps.
+        profile["stack"] = {"overlap_grad_reduce": False, "overlap_param_gather": False}
+    return profile
 
 
 def attention_efficiency(attention: dict, gpu) -> float:
@@ -301,6 +308,9 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from ember.device import resident_bytes
+
+    idle = resident_bytes()  # before any measurement's tensors: what an idle training process holds
     try:
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         quick_min = MIN_TIME[quick]
@@ -312,7 +322,7 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
             return None
         # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
         per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
-        known, info = describe_device(device, per_node)
+        known, info = describe_device(device, per_node, idle)
         profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text(out, json.dumps(profile, indent=2) + "\n")

@@ -217,5 +217,6 @@ def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, a
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
-    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity) for i in stages),
+    runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime) for i in stages),
                key=lambda mem: mem.total)

@@ -41,6 +41,8 @@ def measure(trainer, steps: int, warmup: int) -> dict:
         synchronize(trainer.device)
         plain.append(time.perf_counter() - start)
     phases = trainer.timer.read()
+    # Read before profiling: the profiler's own host memory (its event buffers) is not the run's.
+    peak_gib = trainer.peak_memory_gib()
     trainer.timer.enabled, trainer.profiler.enabled = False, True
     profiled = []
     for _ in range(steps):
@@ -53,7 +55,7 @@ def measure(trainer, steps: int, warmup: int) -> dict:
     out |= {name: value / steps for name, value in phases.items()}
     out |= {name: value / steps for name, value in parts.items()}
     out["other_s"] = max(0.0, out["profiled_step_s"] - out["compute_s"] - out["exposed_comm_s"] - out["bubble_s"])
-    out["peak_memory_gib"] = trainer.peak_memory_gib()
+    out["peak_memory_gib"] = peak_gib
     return out
 
 
