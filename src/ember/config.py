@@ -110,7 +110,7 @@ class TrainConfig:
     # spike_sigma standard deviations): "rollback" to the newest checkpoint before it and
     # skip the data up to it, "stop" without saving, or "off". Checked on logged steps.
     on_spike: str = "rollback"
-    trackers: list[str] = field(default_factory=list)  # beside metrics.jsonl: "tensorboard", "wandb"
+    trackers: list[str] = field(default_factory=list)  # beside metrics.jsonl: "tensorboard", "wandb", "trackio"
     spike_sigma: float = 6.0
     spike_window: int = 100
     # Profile logged steps for where the time goes (compute, exposed communication,
@@ -312,9 +312,9 @@ def validate(config: Config) -> None:
     if len(config.optim.betas) != 2:
         raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
     _check_ranges(config)
-    unknown = [name for name in t.trackers if name not in ("tensorboard", "wandb")]
+    unknown = [name for name in t.trackers if name not in ("tensorboard", "wandb", "trackio")]
     if unknown:
-        raise ConfigError(f"train.trackers takes \"tensorboard\" and \"wandb\", not {', '.join(map(repr, unknown))}.")
+        raise ConfigError(f"train.trackers takes \"tensorboard\", \"wandb\" and \"trackio\", not {', '.join(map(repr, unknown))}.")
     validate_parallel(config.parallel)
     parse_budget(t.budget)
     parse_interval(t.eval_every, "train.eval_every")

@@ -1,6 +1,7 @@
 """TensorBoard beside metrics.jsonl: event files read back with TensorBoard's own reader hold
 every logged step once, also after a resume; a tracker that cannot start is a warning."""
 
+import importlib.util
 import json
 import shutil
 
@@ -77,3 +78,24 @@ def test_wandb_offline_writes_its_run_folder_and_a_resume_continues_the_same_run
     Trainer(cfg, dataset, out, resume=True, progress=False).run()
     assert (out / "wandb_id").read_text().strip() == run_id  # the same W&B run, resumed
     assert all(p.name.endswith(run_id) for p in (out / "wandb").glob("offline-run-*"))
+
+
+def test_trackio_writes_its_database_in_the_run_folder_and_a_resume_continues_the_run(dataset, tmp_path, monkeypatch):
+    if importlib.util.find_spec("trackio") is None:  # not imported here: trackio reads TRACKIO_DIR on import
+        pytest.skip("trackio is not installed")
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)  # restored (absent) after the test
+    out = tmp_path / "run"
+    cfg = load_config(RECIPE, TINY + ["train.trackers=[trackio]", "train.checkpoint_every=4steps",
+                                      "train.eval_every=2steps", "train.budget=4steps"])
+    Trainer(cfg, dataset, out, progress=False).run()
+    cfg.train.budget = "6steps"
+    Trainer(cfg, dataset, out, resume=True, progress=False).run()
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert SQLiteStorage.get_project_db_path("ember").is_relative_to(out / "trackio")
+    assert SQLiteStorage.get_runs("ember") == ["run"]  # one run, continued by the resume
+    logs = [r for r in SQLiteStorage.get_logs("ember", "run") if "loss" in r]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [r["step"] for r in records if "loss" in r] == list(range(1, 7))
+    assert [r["loss"] for r in logs] == pytest.approx([r["loss"] for r in records if "loss" in r], rel=1e-6)
+    assert SQLiteStorage.get_run_config("ember", "run")["model"]["hidden"] == cfg.model.hidden

@@ -9,7 +9,11 @@ every record against ember's step (its own step counter only ever grows, so a ro
 repeated steps plot where they belong), with the resolved config as the run's config. It
 runs offline (a folder under RUN/wandb that `wandb sync` uploads later) unless WANDB_MODE
 says otherwise or an API key is configured; the run id is kept in RUN/wandb_id, so a
-resumed run continues the same W&B run. A tracker that is not installed
+resumed run continues the same W&B run. Trackio (`trackio`, the `trackio` extra), which is
+local-first, writes its SQLite database to RUN/trackio (unless TRACKIO_DIR names another
+folder; `trackio show --project ember` with TRACKIO_DIR=RUN/trackio opens the dashboard),
+logging every record at ember's step in a run named after the run folder; a resumed run
+continues it. A tracker that is not installed
 or fails to start is a one-line warning; training goes on without it.
 """
 
@@ -23,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-TRACKERS = ("tensorboard", "wandb")
+TRACKERS = ("tensorboard", "wandb", "trackio")
 
 
 class TensorBoard:
@@ -82,7 +86,30 @@ class WandB:
         self.run.finish()
 
 
-_CLASSES = {"tensorboard": TensorBoard, "wandb": WandB}
+class Trackio:
+    def __init__(self, run_dir: Path, config_toml: str, resume_step: int | None):
+        # trackio reads its folder once, when first imported: a training process has one run.
+        os.environ.setdefault("TRACKIO_DIR", str(Path(run_dir).resolve() / "trackio"))
+        import trackio
+
+        self.folder = Path(os.environ["TRACKIO_DIR"])
+        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "ember"), name=Path(run_dir).name,
+                                config=tomllib.loads(config_toml), resume="allow", embed=False,
+                                auto_log_gpu=False, auto_log_cpu=False)
+
+    def log(self, record: dict[str, Any]) -> None:
+        numbers = _numbers(record)
+        step = int(numbers.pop("step", 0))
+        self.run.log(numbers, step=step)
+
+    def rewind(self, step: int) -> None:
+        pass  # records carry ember's step, so a rollback's repeated steps plot in place
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
 
 
 def open_trackers(names: list[str], run_dir: Path, config_toml: str, resume_step: int | None) -> list:
