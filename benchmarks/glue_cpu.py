@@ -197,7 +197,8 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "average": {name: r["average"] for name, r in results.items()},
             "columns": {name: r["columns"] for name, r in results.items()},
-            "task_minutes": {name: {k: t["seconds"] / 60 for k, t in r["tasks"].items()} for name, r in results.items()},
+            "task_minutes": {name: {k: t["seconds"] / 60 for k, t in r["tasks"].items()}
+                             for name, r in results.items()},
             "wall_minutes": walls, "pretrain_minutes": pretrain_min, "step_ms": steps}, indent=1))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -239,3 +239,18 @@ def test_load_manifest_errors(prepared, tmp_path):
     (copy / "manifest.json").write_text(json.dumps({**manifest, "format": "other/9"}))
     with pytest.raises(DataError, match="format"):
         load_manifest(copy)
+
+
+def test_the_tokenizer_can_be_trained_on_the_first_documents_only(synthetic, tmp_path):
+    """tokenizer_documents=N: the tokenizer of the first N documents, every document packed."""
+    src, docs = synthetic
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:50]))
+    args = dict(tokenizer="bpe", vocab_size=300, seq_len=32, val_fraction=0.1, seed=3, progress=False)
+    sampled = prepare([src], tmp_path / "sampled", tokenizer_documents=50, **args)
+    only_first = prepare([first], tmp_path / "only_first", **args)
+    full = prepare([src], tmp_path / "full", **args)
+    assert sampled["tokenizer_sha256"] == only_first["tokenizer_sha256"] != full["tokenizer_sha256"]
+    assert sampled["input_documents"] == full["input_documents"] == len(docs)
+    with pytest.raises(DataError, match="tokenizer_documents"):
+        prepare([src], tmp_path / "bad", tokenizer_documents=-1, **args)

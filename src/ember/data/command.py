@@ -8,7 +8,7 @@ from pathlib import Path
 # prepare()'s settings a flag may give; None means "not given", so the TOML or the default applies.
 _DEFAULTS = {"tokenizer": "bpe", "vocab_size": 8192, "seq_len": 128, "val_fraction": 0.01, "seed": 0,
              "shard_size": None, "workers": None, "doc_boundaries": False, "text_field": "text",
-             "stopping": "first_exhausted", "curriculum": None}
+             "stopping": "first_exhausted", "curriculum": None, "tokenizer_documents": 0}
 
 
 def default_workers() -> int:
@@ -101,6 +101,8 @@ def register_data(verbs) -> None:
     prep.add_argument("--config", help="preparation TOML: [prepare], [[source]], [clean], [dedup]")
     prep.add_argument("--tokenizer", help="wordpiece (masked LM), bpe (causal LM) or a tokenizer.json")
     prep.add_argument("--vocab-size", type=int)
+    prep.add_argument("--tokenizer-documents", type=int, metavar="N",
+                      help="train the tokenizer on the first N documents only (default: all)")
     prep.add_argument("--seq-len", type=int)
     prep.add_argument("--val-fraction", type=float)
     prep.add_argument("--seed", type=int)

@@ -8,6 +8,7 @@ read only as fast as the workers consume it.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -102,22 +103,34 @@ def _batches(stream: Iterator[tuple[int, str]], size: int) -> Iterator[tuple[np.
 def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path, n_sources: int, *,
               seq_len: int, dtype: str, sep: int, vocab: int, val_fraction: float, seed: int,
               shard_sequences: int, progress: bool, force_val: bool, dedup: DedupConfig,
-              boundaries: bool, val_mask: Callable, curriculum: str | None = None) -> PassResult:
+              boundaries: bool, val_mask: Callable, curriculum: str | None = None,
+              resume: dict | None = None, save: Callable[[dict], None] | None = None) -> PassResult:
     """Tokenize, split, dedup and pack `stream`; `force_val` sends the first documents to
-    val until it holds `seq_len` tokens (see prepare.py)."""
-    writers = {split: SplitWriter(out_dir, split, seq_len, dtype, sep, shard_sequences,
-                                  count_vocab=vocab if split == "train" else 0, boundaries=boundaries,
-                                  curriculum=curriculum is not None)
-               for split in ("train", "val")}
-    deduper = Deduplicator(dedup) if (dedup.exact or dedup.near) else None
-    out = PassResult(splits={}, entropy=0.0)
-    kept_docs = np.zeros(n_sources, dtype=np.int64)
-    kept_tokens = np.zeros(n_sources, dtype=np.int64)
-    kept_chars = np.zeros(n_sources, dtype=np.int64)
-    next_index = 0
-    val_tokens = 0
+    val until it holds `seq_len` tokens (see prepare.py). `save(state)` is called after
+    every batch that completed a shard; `resume`, such a state, continues from it (the
+    documents it consumed are read past, not processed: see resume.py)."""
+    if resume is not None:
+        writers, deduper, out = resume["writers"], resume["deduper"], resume["out"]
+        kept_docs, kept_tokens, kept_chars = resume["kept"]
+        next_index, val_tokens = resume["next_index"], resume["val_tokens"]
+        for writer in writers.values():
+            writer.out_dir = out_dir  # the folder may have been moved in between
+        stream = itertools.islice(stream, next_index, None)
+    else:
+        writers = {split: SplitWriter(out_dir, split, seq_len, dtype, sep, shard_sequences,
+                                      count_vocab=vocab if split == "train" else 0, boundaries=boundaries,
+                                      curriculum=curriculum is not None)
+                   for split in ("train", "val")}
+        deduper = Deduplicator(dedup) if (dedup.exact or dedup.near) else None
+        out = PassResult(splits={}, entropy=0.0)
+        kept_docs = np.zeros(n_sources, dtype=np.int64)
+        kept_tokens = np.zeros(n_sources, dtype=np.int64)
+        kept_chars = np.zeros(n_sources, dtype=np.int64)
+        next_index = 0
+        val_tokens = 0
     with DocumentProgress(enabled=progress) as bar:
         for sources, result in workers.map(_batches(stream, BATCH_DOCUMENTS)):
+            shards_before = sum(len(w.shards) for w in writers.values())
             n = len(sources)
             is_val = val_mask(seed, np.arange(next_index, next_index + n), val_fraction)
             next_index += n
@@ -152,6 +165,9 @@ def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path
             bins = np.minimum(np.log2(np.maximum(lengths, 1)).astype(np.int64), HISTOGRAM_BINS - 1)
             out.histogram += np.bincount(bins, minlength=HISTOGRAM_BINS)
             bar.advance(n, result.n_bytes)
+            if save is not None and sum(len(w.shards) for w in writers.values()) > shards_before:
+                save({"writers": writers, "deduper": deduper, "out": out, "next_index": next_index,
+                      "val_tokens": val_tokens, "kept": (kept_docs, kept_tokens, kept_chars)})
     out.documents_seen = next_index
     out.splits = {split: writer.finish() for split, writer in writers.items()}
     out.entropy = unigram_entropy(writers["train"].counts)

@@ -29,7 +29,7 @@ from ember.data.mixing import source_from_table
 
 PREPARE_KEYS = {"tokenizer": str, "vocab_size": int, "seq_len": int, "val_fraction": float, "seed": int,
                 "shard_size": (int, str), "workers": int, "doc_boundaries": bool, "text_field": str,
-                "stopping": str, "max_document_bytes": int, "curriculum": str}
+                "stopping": str, "max_document_bytes": int, "curriculum": str, "tokenizer_documents": int}
 SECTIONS = {"prepare", "source", "clean", "dedup"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*$", re.IGNORECASE)
 _UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

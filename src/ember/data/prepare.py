@@ -1,8 +1,10 @@
 """`ember data prepare`: text in, token shards + tokenizer.json + manifest.json out.
 
 The manifest is written last and atomically, so a folder with a manifest is a finished
-preparation (never overwritten) and a folder without one is an interrupted one, whose
-leftovers are removed and redone.
+preparation (never overwritten) and a folder without one is an interrupted one: the same
+command continues it from its last completed shard (resume.py), or, when the state of
+that shard is missing or belongs to other inputs or settings, removes its leftovers and
+starts over.
 
 Which split a document goes to depends only on (seed, document index), through a hash,
 so the split is reproducible and needs no shuffling pass. One extra rule keeps the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import re
 from datetime import datetime, timezone
@@ -31,6 +34,7 @@ from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
+from ember.data.resume import clear_state, fingerprint, load_state, save_state, written_files
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
 from ember.data.sources import MAX_DOCUMENT_BYTES, new_counts
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
@@ -70,10 +74,10 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
         raise DataError(f"{out_dir} already holds prepared data; choose another --out or delete it.")
 
 
-def remove_leftovers(out_dir: Path, keep: str = "") -> None:
+def remove_leftovers(out_dir: Path, keep: set[str] = frozenset()) -> None:
     """Delete what an interrupted preparation left behind (only files this module writes)."""
     for path in out_dir.iterdir():
-        if path.is_file() and path.name != keep and _LEFTOVER.match(path.name):
+        if path.is_file() and path.name not in keep and _LEFTOVER.match(path.name):
             path.unlink()
 
 
@@ -103,13 +107,16 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             clean: CleanConfig | dict | None = None, dedup: DedupConfig | dict | None = None,
             workers: int = 0, doc_boundaries: bool = False, stopping: str = "first_exhausted",
             max_document_bytes: int = MAX_DOCUMENT_BYTES, shard_size: int | str | None = None,
-            curriculum: str | None = None) -> dict:
+            curriculum: str | None = None, tokenizer_documents: int = 0) -> dict:
     """Tokenize `inputs` into packed shards in `out_dir`; return the manifest.
 
     `inputs` are paths, `path:weight` strings or `Source`s (see mixing.py); `clean` and
     `dedup` are their configs or TOML-style tables; `workers` processes tokenize (0: this
     process does); `shard_size` (sequences, or a size such as "64MB") replaces
-    `shard_sequences`; `curriculum` ("sentence-length") records a per-row ordering key."""
+    `shard_sequences`; `curriculum` ("sentence-length") records a per-row ordering key;
+    `tokenizer_documents` > 0 trains the tokenizer on the first that many documents only
+    (a pretraining corpus is far larger than a tokenizer needs). A preparation interrupted
+    in `out_dir` continues from its last completed shard (resume.py)."""
     sources = [parse_source(item) for item in inputs]
     out_dir, tokenizer = Path(out_dir), str(tokenizer)
     clean = clean if isinstance(clean, CleanConfig) else CleanConfig.from_dict(clean)
@@ -118,12 +125,27 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
                   stopping, workers, curriculum)
     if shard_size is not None:
         shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
+    if not isinstance(tokenizer_documents, int) or tokenizer_documents < 0:
+        raise DataError(f"tokenizer_documents {tokenizer_documents!r} must be a whole number >= 0 (0: all).")
 
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
-    if tokenizer in KINDS:
+    key = fingerprint({"sources": [s.describe() for s in sources], "tokenizer": tokenizer,
+                       "tokenizer_file": _sha256(Path(tokenizer).read_text(encoding="utf-8", errors="replace"))
+                       if tokenizer not in KINDS and Path(tokenizer).is_file() else None,
+                       "vocab_size": vocab_size, "seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
+                       "shard": [shard_sequences, shard_size], "text_field": text_field, "clean": clean.to_dict(),
+                       "dedup": dedup.to_dict(), "boundaries": doc_boundaries, "stopping": stopping,
+                       "max_document_bytes": max_document_bytes, "curriculum": curriculum,
+                       "tokenizer_documents": tokenizer_documents})
+    state = load_state(out_dir, key) if (out_dir / TOKENIZER_FILE).is_file() else None
+    if state is not None:  # the interrupted run's own tokenizer, not a new training
+        tok, kind = load_tokenizer(out_dir / TOKENIZER_FILE), state["kind"]
+    elif tokenizer in KINDS:
         texts = (transform(doc, clean) for _, doc in stream())
+        if tokenizer_documents:
+            texts = itertools.islice(texts, tokenizer_documents)
         tok = train_tokenizer(tokenizer, texts, vocab_size, show_progress=progress)
         kind = tokenizer
     else:
@@ -134,21 +156,34 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     if shard_size is not None:
         shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
     tokenizer_text = tok.to_str(pretty=True)
-    if kind == "file":  # a trained tokenizer's leftovers are this command's own: redo them
+    if kind == "file" and state is None:  # a trained tokenizer's leftovers are this command's own: redo them
         _refuse_other_tokenizer(out_dir, tokenizer_text)
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(out_dir, keep=TOKENIZER_FILE)
-        write_text(out_dir / TOKENIZER_FILE, tokenizer_text)
+        remove_leftovers(out_dir, keep={TOKENIZER_FILE} | (written_files(state) if state else set()))
+        if state is None:
+            clear_state(out_dir)
+            write_text(out_dir / TOKENIZER_FILE, tokenizer_text)
         options = dict(seq_len=seq_len, dtype=dtype, sep=specials["sep"], vocab=vocab, val_fraction=val_fraction,
                        seed=seed, shard_sequences=shard_sequences, progress=progress, dedup=dedup,
                        boundaries=doc_boundaries, val_mask=val_mask, curriculum=curriculum)
+
+        def saver(force_val: bool):
+            return lambda s: save_state(out_dir, key, s | {"kind": kind, "force_val": force_val})
+
         with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
-            result = pack_pass(stream(), pool, out_dir, len(sources), force_val=False, **options)
-            if val_fraction > 0 and result.splits["val"]["sequences"] == 0:
-                remove_leftovers(out_dir, keep=TOKENIZER_FILE)
-                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options)
+            if state is None or not state["force_val"]:
+                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=False, **options,
+                                   resume=state, save=saver(False))
+            if val_fraction > 0 and (state is not None and state["force_val"]
+                                     or result.splits["val"]["sequences"] == 0):
+                if state is None or not state["force_val"]:
+                    clear_state(out_dir)
+                    remove_leftovers(out_dir, keep={TOKENIZER_FILE})
+                    state = None
+                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options,
+                                   resume=state, save=saver(True))
         counts = _total_counts(sources)
         counts["empty"] += result.dropped.pop("empty", 0)
         if counts["documents"] == 0:
@@ -194,10 +229,11 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        clear_state(out_dir)
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"the disk holding {out_dir} is full ({err.strerror}); free some space and run the "
-                            "same command again (it redoes the unfinished preparation).") from None
+                            "same command again (it continues from the last completed shard).") from None
         raise
     return manifest
 
