@@ -42,6 +42,8 @@ class ModelConfig:
     init_std: float = 0.02
     scaled_residual_init: bool = True  # GPT-2: output projections std / sqrt(2 * layers)
     sparse_prediction: bool = True  # MLM only: the output layer sees masked positions only
+    # The kernel of data.document_mask: auto (flex_attention on CUDA, SDPA with a dense mask elsewhere), flex, sdpa.
+    document_kernel: str = "auto"
 
     @property
     def padded_vocab(self) -> int:
@@ -134,6 +136,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
     recompute: str = "none"  # activation checkpointing: none, selective, full
     recompute_every: int = 1  # the policy covers blocks 0, k, 2k, ... (k = this; 1 = every block)
+    grad_dtype: str = "fp32"  # data-parallel gradient reduction: fp32, or bf16 (half the bytes; bf16 compute only)
     # Layers of each of the pp x vpp stages in model order, e.g. [5, 6, 6, 5]; empty: equal
     # when pp x vpp divides model.layers, else balanced by cost (the last stage holds the output layer).
     stage_layers: list[int] = field(default_factory=list)
@@ -158,6 +161,8 @@ _CHOICES = {
     "model.activation": ("gelu", "geglu", "swiglu"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.positions": ("learned", "sinusoidal", "rotary"),
+    "model.document_kernel": ("auto", "flex", "sdpa"),
+    "parallel.grad_dtype": ("fp32", "bf16"),
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
     "train.precision": ("auto", "bf16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
@@ -293,6 +298,9 @@ def validate(config: Config) -> None:
             raise ConfigError(f"model.{name} must be at least 1.")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout must be in [0, 1).")
+    if m.document_kernel == "flex" and m.dropout:
+        raise ConfigError("model.document_kernel=flex has no attention dropout; set model.dropout=0 or "
+                          "model.document_kernel=sdpa.")
     d = config.data
     if not 0.0 < d.mlm_rate < 1.0:
         raise ConfigError("data.mlm_rate must be between 0 and 1.")

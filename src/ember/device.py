@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ember.config import ConfigError
 from ember.hardware import peak_flops
@@ -30,14 +31,41 @@ def pick_device(name: str = "auto") -> torch.device:
 
 def use_device(device: torch.device) -> None:
     """Make `device` the current CUDA device (kernels and allocations of `cuda` without
-    an index land there, not on GPU 0), and let fp32 matmuls use TF32 tensor cores, as
-    nanoGPT and most training code do: 10 mantissa bits in the multiply, fp32 accumulation."""
+    an index land there, not on GPU 0), let fp32 matmuls use TF32 tensor cores, as
+    nanoGPT and most training code do (10 mantissa bits in the multiply, fp32
+    accumulation), and order SDPA's kernels for the GPU (`attention_priority`). Nothing
+    on other devices."""
     if device.type != "cuda":
         return
     torch.cuda.set_device(device)
     # The fp32_precision settings replace allow_tf32 from PyTorch 2.9 (the old flags warn).
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.cudnn.conv.fp32_precision = "tf32"
+    prefer_attention_kernels(torch.cuda.get_device_capability(device))
+
+
+def attention_priority(capability: tuple[int, int]) -> list[SDPBackend] | None:
+    """SDPA's kernel order for a CUDA device of `capability`, or None to keep PyTorch's.
+    Hopper (9.x): cuDNN's attention first, then FlashAttention-2, memory-efficient, math.
+    cuDNN's kernels outrun FlashAttention-2 on Hopper, but published measurements have them
+    slower on Ampere and Blackwell, so elsewhere PyTorch's own order stands."""
+    if capability[0] != 9:
+        return None
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+_KERNEL_ORDER: list = []  # the context that holds the order, kept open for the process
+
+
+def prefer_attention_kernels(capability: tuple[int, int]) -> None:
+    """Set `attention_priority` once for the process: a global setting, so backward and
+    recomputation in checkpointed blocks pick the same kernels as the forward did."""
+    order = attention_priority(capability)
+    if order is None or _KERNEL_ORDER:
+        return
+    context = sdpa_kernel(order, set_priority=True)
+    context.__enter__()
+    _KERNEL_ORDER.append(context)  # never exited: exiting (or collecting it) restores the old order
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

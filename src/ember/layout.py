@@ -142,11 +142,11 @@ class Layout:
 
 def problems(layout: Layout, model, global_batch: int, world: int | None = None, *, batch_start: int = 0,
              seq_len: int | None = None, compile: bool = False, document_mask: bool = False,
-             ember: bool = True) -> list[str]:
+             ember: bool = True, grad_dtype: str = "fp32", fp32: bool = False) -> list[str]:
     """Everything that keeps `layout` from training `model` (a ModelConfig or the planner's
     ModelSpec) at `global_batch` sequences per step on `world` processes (None: any), one
     sentence each. `ember=False` leaves out what only ember's trainer refuses, so the planner
-    can price layouts other frameworks run."""
+    can price layouts other frameworks run. `fp32`: the run computes in fp32 (no autocast)."""
     lo, out = layout, []
     if world is not None and lo.gpus != world:
         out.append(f"the layout pp x dp_replicate x dp_shard x tp = {lo.pp} x {lo.dp_replicate} x {lo.dp_shard} x "
@@ -166,6 +166,12 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
         out.append("data parallelism combined with tensor or pipeline parallelism goes through FSDP2, not DDP; set "
                    "parallel.zero=1 (or 2, 3) when parallel.tp or parallel.pp is above 1 with several "
                    "data-parallel ranks")
+    if grad_dtype == "bf16" and fp32 and lo.dp > 1:
+        # Rounding summed gradients to bf16 would undo what fp32 compute is chosen for (the
+        # planner prices fp32 runs with fp32 gradients too).
+        out.append("parallel.grad_dtype=bf16 reduces gradients in bf16, which suits bf16 compute, but this run "
+                   "computes in fp32 (train.precision=fp32, or auto on a CPU); set train.precision=bf16 or "
+                   "parallel.grad_dtype=fp32")
     if lo.recompute not in RECOMPUTE:
         out.append(f"parallel.recompute must be one of {', '.join(RECOMPUTE)}, not {lo.recompute!r}")
     out += _tensor_problems(lo, model)
@@ -299,14 +305,23 @@ def compiles(cfg: Config, device_type: str) -> bool:
     return device_type == "cuda" and not (cfg.parallel.pp > 1 and cfg.parallel.schedule in ZERO_BUBBLE)
 
 
-def run_problems(layout: Layout, cfg: Config, world: int, seq_len: int | None = None) -> list[str]:
-    """`problems` of `layout` for the run `cfg` describes (its model, batch, ramp, compile
-    and document mask) on `world` processes of sequences of `seq_len` tokens."""
-    return problems(layout, cfg.model, cfg.train.global_batch, world, batch_start=cfg.schedule.batch_start,
-                    seq_len=seq_len, compile=cfg.train.compile == "true", document_mask=cfg.data.document_mask)
+def run_problems(layout: Layout, cfg: Config, world: int, seq_len: int | None = None,
+                 device_type: str | None = None) -> list[str]:
+    """`problems` of `layout` for the run `cfg` describes (its model, batch, ramp, compile,
+    document mask and gradient dtype) on `world` processes of sequences of `seq_len` tokens,
+    on devices of `device_type` (None: not known yet, so precision "auto" is not judged)."""
+    precision = cfg.train.precision
+    fp32 = precision == "fp32" or (precision == "auto" and device_type not in (None, "cuda"))
+    out = []
+    if cfg.data.document_mask and cfg.model.document_kernel == "flex" and device_type not in (None, "cuda"):
+        out.append(f"model.document_kernel=flex trains on CUDA only (PyTorch has no FlexAttention backward on "
+                   f"{device_type}); set model.document_kernel=auto or sdpa")
+    return out + problems(layout, cfg.model, cfg.train.global_batch, world, batch_start=cfg.schedule.batch_start,
+                    seq_len=seq_len, compile=cfg.train.compile == "true", document_mask=cfg.data.document_mask,
+                    grad_dtype=cfg.parallel.grad_dtype, fp32=fp32)
 
 
-def check_run(cfg: Config, world: int, seq_len: int | None = None) -> Layout:
+def check_run(cfg: Config, world: int, seq_len: int | None = None, device_type: str | None = None) -> Layout:
     """The run's layout on `world` processes, refused in one sentence if it cannot train."""
     p = cfg.parallel
     fixed = p.pp * p.dp_replicate * p.tp
@@ -316,7 +331,7 @@ def check_run(cfg: Config, world: int, seq_len: int | None = None) -> Layout:
             f"the world size {world}, so parallel.dp_shard=-1 cannot take the rest; change the degrees or the "
             f"number of processes.")
     layout = Layout.from_config(cfg, world)
-    found = run_problems(layout, cfg, world, seq_len)
+    found = run_problems(layout, cfg, world, seq_len, device_type)
     if found:
         raise ConfigError(found[0] + ".")
     return layout

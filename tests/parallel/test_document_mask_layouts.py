@@ -1,7 +1,8 @@
 """data.document_mask under data and tensor parallelism, with and without sequence
-parallelism, trains the same steps as one process with the mask (loss and gradient norm
-within 1e-5). Attention sees the whole sequence in every layout, so the (rows, sequence)
-document ids need no splitting beyond the data-parallel rows."""
+parallelism, and through FlexAttention, trains the same steps as one process with the
+dense mask (loss and gradient norm within 1e-5). Attention sees the whole sequence in
+every layout, so the (rows, sequence) document ids need no splitting beyond the
+data-parallel rows."""
 
 
 from ember.config import load_config
@@ -15,6 +16,9 @@ LAYOUTS = [
     {"name": "zero3x2", "set": {"parallel.zero": 3, **MASK}},
     {"name": "tp2", "set": {"parallel.tp": 2, **MASK}},
     {"name": "tp2+sp", "set": {"parallel.tp": 2, "parallel.sp": True, **MASK}},
+    # FlexAttention (CUDA's choice) forced on the CPU: the same steps as the dense mask.
+    {"name": "zero3x2-flex", "set": {"parallel.zero": 3, "model.document_kernel": "flex", **MASK}},
+    {"name": "tp2+sp-flex", "set": {"parallel.tp": 2, "parallel.sp": True, "model.document_kernel": "flex", **MASK}},
 ]
 
 

@@ -130,6 +130,7 @@ def test_compiled_blocks_train_the_same_steps(dataset, tmp_path):
         trainer = Trainer(load_config(REPO / "configs/tiny-gpt.toml", sets), dataset, tmp_path / str(compiled),
                           progress=False)
         trainer.build()
+        assert trainer.model.head.compiled == compiled  # the loss's chunks too, not only the blocks
         runs[compiled] = [tuple(float(x) for x in trainer.train_step(8, lr=1e-3)[:2]) for _ in range(2)]
     for (loss, norm), (loss_c, norm_c) in zip(runs[False], runs[True]):
         assert loss_c == pytest.approx(loss, rel=1e-5) and norm_c == pytest.approx(norm, rel=1e-5)

@@ -30,6 +30,18 @@ def _counted_all_gather_single(*args, **kwargs):
 dist.all_gather_single = _counted_all_gather_single
 
 
+def run_flex_on_cpu() -> None:
+    """model.document_kernel=flex forced on a CPU: ember's refusal (no FlexAttention
+    backward there) and PyTorch's guard lifted, so its reference backward runs."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    import ember.train.trainer as trainer_module
+
+    check_run = trainer_module.check_run
+    flex_module._validate_device = lambda *args: None
+    trainer_module.check_run = lambda cfg, world, seq_len, device_type: check_run(cfg, world, seq_len, None)
+
+
 def run_layout(data: Path, out: Path, spec: dict, layout: dict, objective: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -50,6 +62,8 @@ def run_layout(data: Path, out: Path, spec: dict, layout: dict, objective: str) 
 def main() -> None:
     data, out, spec_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     spec = json.loads(spec_path.read_text())
+    if any(layout["set"].get("model.document_kernel") == "flex" for layout in spec["layouts"]):
+        run_flex_on_cpu()
     results = []
     for layout in spec["layouts"]:
         for objective in spec["objectives"]:

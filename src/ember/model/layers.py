@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.model import flex as flex_kernel
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -56,7 +57,8 @@ class Rotary(nn.Module):
 
 
 def attention_mask(causal: bool, key_padding_mask: torch.Tensor | None = None,
-                   document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+                   document_ids: torch.Tensor | None = None,
+                   flex: bool = False) -> torch.Tensor | flex_kernel.BlockMask | None:
     """The boolean mask [B, 1, T, T] (or [B, 1, 1, T]) every layer's attention shares, True
     where a query may attend to a key, or None when the objective's own pattern suffices.
 
@@ -64,11 +66,14 @@ def attention_mask(causal: bool, key_padding_mask: torch.Tensor | None = None,
     and SDPA keeps its fast kernels. Right-padded batches (fine-tuning) give
     `key_padding_mask` [B, T] (True = a real token); a causal model never sees later pads,
     so only MLM needs it. `document_ids` [B, T] keeps every token inside its own document
-    (causal: the past of its document); it costs a [B, T, T] mask and SDPA's flash path."""
+    (causal: the past of its document); it costs a [B, T, T] mask and SDPA's flash path,
+    unless `flex` asks for the same rule as a FlexAttention BlockMask (`ember.model.flex`)."""
     if document_ids is None:
         if key_padding_mask is None or causal:
             return None
         return key_padding_mask[:, None, None, :]
+    if flex:
+        return flex_kernel.document_block_mask(document_ids, causal, key_padding_mask)
     seq = document_ids.shape[1]
     mask = document_ids[:, :, None] == document_ids[:, None, :]
     if causal:
@@ -100,14 +105,17 @@ class Attention(nn.Module):
         return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` (from `attention_mask`, True = may attend) replaces the objective's own
-        pattern; None keeps SDPA's fast paths (causal or no mask)."""
+        """`mask` (from `attention_mask`, True = may attend, or a FlexAttention BlockMask)
+        replaces the objective's own pattern; None keeps SDPA's fast paths (causal or no mask)."""
         q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=self.causal and mask is None)
+        if isinstance(mask, flex_kernel.BlockMask):  # documents kept apart by a block-sparse fused kernel
+            out = flex_kernel.attend(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 dropout_p=self.dropout if self.training else 0.0,
+                                                 is_causal=self.causal and mask is None)
         batch, _, seq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -14,6 +14,7 @@ that backward needs anyway; no matmul is repeated.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -53,39 +54,59 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
+def _chunk_loss(xs: torch.Tensor, wc: torch.Tensor, ys: torch.Tensor,
+                needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: the summed loss of its logits xs @ wc.T against ys and, when `needs_grad`,
+    d loss / d logits (softmax - one_hot, zero where nothing is predicted) in the logits'
+    dtype. Everything after the matmul reads and writes the chunk's logits only, so
+    compiled (`compiled_chunk_loss`) it fuses into a few passes over them."""
+    logits = (xs @ wc.T).float()
+    valid = ys != IGNORE
+    safe = torch.where(valid, ys, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not needs_grad:
+        return loss, None
+    # In place over the chunk's logits, so that eager holds one such buffer.
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
+    grad.mul_(valid[:, None])
+    return loss, grad.to(xs.dtype)
+
+
+@functools.cache
+def compiled_chunk_loss():
+    """`_chunk_loss` under torch.compile, made once per process (train.compile)."""
+    return torch.compile(_chunk_loss)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of (x @ weight.T) against labels, over labels != IGNORE."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                compiled: bool) -> torch.Tensor:
         dtype = _compute_dtype(x, weight)
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        chunk_loss = compiled_chunk_loss() if compiled else _chunk_loss
         with torch.autocast(x.device.type, enabled=False):
             xc, wc = x.to(dtype), weight.to(dtype)
             total = torch.zeros((), dtype=torch.float32, device=x.device)
             grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+            grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                      if ctx.needs_input_grad[1] else None)
             for start in range(0, x.shape[0], chunk):
                 xs, ys = xc[start:start + chunk], labels[start:start + chunk]
-                logits = (xs @ wc.T).float()
-                valid = ys != IGNORE
-                safe = torch.where(valid, ys, 0)
-                lse = torch.logsumexp(logits, dim=-1)
-                picked = logits.gather(1, safe[:, None]).squeeze(1)
-                total += torch.where(valid, lse - picked, 0.0).sum()
-                if not needs_grad:
+                loss, grad = chunk_loss(xs, wc, ys, needs_grad)
+                total += loss
+                if grad is None:
                     continue
-                # d loss / d logits = softmax - one_hot, zero where nothing is predicted;
-                # computed in place over the chunk's logits to hold one such buffer.
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
-                grad.mul_(valid[:, None])
-                grad = grad.to(dtype)
                 if grad_x is not None:
                     grad_x[start:start + chunk] = (grad @ wc).to(x.dtype)
                 if grad_w is not None:
                     _accumulate(grad_w, grad.T, xs)
-                del logits, grad  # before the next chunk's logits exist, not after
+                del grad  # before the next chunk's logits exist, not after
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -97,16 +118,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x = grad_x * grad_output.to(grad_x.dtype)
         if grad_w is not None:
             grad_w = (grad_w * grad_output).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
+                         reduction: str = "mean", chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
     """F.cross_entropy(F.linear(x, weight).float(), labels, ignore_index=-100) without
-    the full logits. x [..., hidden], labels [...]; "sum" or "mean" over labelled positions."""
+    the full logits. x [..., hidden], labels [...]; "sum" or "mean" over labelled positions.
+    `compiled`: each chunk's loss and gradient by torch.compile's fused kernels."""
     x2, y = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
     chunk = chunk or chunk_tokens(x2.shape[0], weight.shape[0], weight.shape[1])
-    total = _LinearCrossEntropy.apply(x2, weight, y, chunk)
+    total = _LinearCrossEntropy.apply(x2, weight, y, chunk, compiled)
     if reduction == "sum":
         return total
     if reduction == "mean":
@@ -122,6 +144,7 @@ class OutputLayer(nn.Linear):
     takes the ordinary cross-entropy of them, which that splitter makes vocabulary-parallel."""
 
     vocab_parallel = False
+    compiled = False  # set by ember.parallel.recompute.apply_compile (train.compile)
 
     def __init__(self, hidden: int, vocab: int, device=None, dtype=None):
         super().__init__(hidden, vocab, bias=False, device=device, dtype=dtype)
@@ -129,4 +152,4 @@ class OutputLayer(nn.Linear):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         if labels is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, labels, reduction)
+        return linear_cross_entropy(x, self.weight, labels, reduction, compiled=self.compiled)

@@ -66,16 +66,25 @@ class Transformer(nn.Module):
     def trunk(self, input_ids: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
               document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> hidden states [B, T, hidden] after the last block, before
-        the final norm (without `embed`, a later pipeline stage: hidden states in and out). `key_padding_mask` [B, T] (True = real token) keeps a masked LM
-        from attending to the pads of a right-padded batch; `document_ids` [B, T] (equal
-        ids = one document) keeps attention inside each document of a packed row.
+        the final norm (without `embed`, a later pipeline stage: hidden states in and out).
+        `key_padding_mask` [B, T] (True = real token) keeps a masked LM from attending to
+        the pads of a right-padded batch; `document_ids` [B, T] (equal ids = one document)
+        keeps attention inside each document of a packed row.
         Positions still count from the row's start, not the document's: rotary attention
         depends only on distances, so there a document sees what it would alone."""
         x = self._embed(input_ids) if self.embed is not None else input_ids
-        mask = attention_mask(self.cfg.objective == "causal", key_padding_mask, document_ids)
+        flex = document_ids is not None and self._flex(document_ids.device)
+        mask = attention_mask(self.cfg.objective == "causal", key_padding_mask, document_ids, flex)
         for block in self.blocks.values():
             x = block(x, mask)
         return x
+
+    def _flex(self, device: torch.device) -> bool:
+        """Whether document masks go to FlexAttention (`model.document_kernel`): "auto" on
+        CUDA, where it keeps a fused kernel, and only without attention dropout, which it
+        lacks; a CPU's SDPA already fuses the dense mask into its own kernel."""
+        kernel = self.cfg.document_kernel
+        return kernel == "flex" or (kernel == "auto" and device.type == "cuda" and not self.cfg.dropout)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]

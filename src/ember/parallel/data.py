@@ -13,7 +13,9 @@
 
 Every wrapper averages gradients over the data-parallel ranks; the engines multiply the
 loss by the dp size (`build_engine`) so that the result is the gradient of the global sum.
-bf16 mixed precision on CUDA keeps fp32 master weights and reduces gradients in fp32.
+bf16 mixed precision keeps fp32 master weights and reduces gradients in fp32, or in bf16
+with `parallel.grad_dtype = "bf16"` (half the bytes on the wire): FSDP2's reduce_dtype, and
+for DDP a communication hook (each bucket cast to bf16, averaged, cast back).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class DataParallel:
 
     module: nn.Module
     zero: int
+    reduce_dtype: torch.dtype = torch.float32  # what gradients cross the wire in
 
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward is the step's last (True) or accumulates (False).
@@ -47,15 +50,34 @@ class DataParallel:
             self.module.set_reshard_after_backward(sync)
 
 
+def bf16_reduce_hook(group, bucket):
+    """DDP communication hook: the bucket averaged in bf16, written back in fp32. PyTorch's
+    own `bf16_compress_hook` does the same but refuses anything but NCCL and XCCL, and a
+    CPU run (gloo) is where ember's layouts are checked against one process."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    work = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def written_back(future):
+        buffer.copy_(future.value()[0])
+        return buffer
+
+    return work.then(written_back)
+
+
 def _fsdp():
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # public since 2.6
     return fully_shard, MixedPrecisionPolicy
 
 
 def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: torch.device,
-                        param_dtype: torch.dtype | None, alone: bool = False) -> DataParallel | None:
+                        param_dtype: torch.dtype | None, alone: bool = False,
+                        reduce_dtype: torch.dtype = torch.float32) -> DataParallel | None:
     """Wrap `module` in place for the run's data-parallel layout; None when dp is 1, unless
-    `alone` asks for the wrappers over one rank anyway (to measure their own cost)."""
+    `alone` asks for the wrappers over one rank anyway (to measure their own cost).
+    Gradients are reduced in `reduce_dtype` (fp32 or bf16) and kept in fp32."""
     dp = topo.size("dp")
     if dp == 1 and not alone:
         return None
@@ -64,11 +86,12 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
 
         kwargs = {"device_ids": [device]} if device.type == "cuda" else {}
         replicate(module, process_group=topo.group("dp"), **kwargs)
-        return DataParallel(module, zero)
+        if reduce_dtype == torch.bfloat16:  # registered now, installed by replicate at the first forward
+            module.register_comm_hook(topo.group("dp"), bf16_reduce_hook)
+        return DataParallel(module, zero, reduce_dtype)
     fully_shard, MixedPrecisionPolicy = _fsdp()
     mesh = topo.mesh["dp_shard"] if topo.size("dp_replicate") == 1 else topo.mesh["dp_replicate", "dp_shard"]
-    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-              if param_dtype is not None else MixedPrecisionPolicy())
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = zero == 3
     for _, block in blocks_of(module):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -85,4 +108,4 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
     # The root holds the rest (a tied head shares the embedding's weight, so both then sit
     # in the root's group); nothing runs after it, so keep it.
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    return DataParallel(module, zero)
+    return DataParallel(module, zero, reduce_dtype)

@@ -133,8 +133,9 @@ class Wrapper:
             apply_compile(module)
         if p.zero == 0:
             self._materialize(module, meta)
+        reduce_dtype = torch.bfloat16 if p.grad_dtype == "bf16" else torch.float32
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
-                                                             self.amp_dtype)
+                                                             self.amp_dtype, reduce_dtype=reduce_dtype)
         self._materialize(module, meta and p.zero > 0)
         return module
 

@@ -1,4 +1,5 @@
-"""Activation checkpointing and torch.compile, applied per transformer block.
+"""Activation checkpointing and torch.compile, applied per transformer block (compile also
+to the final norm and the loss).
 
 Both replace the block's `forward` on the instance instead of wrapping the block in a new
 module, so parameter names stay those of the plain Transformer ("blocks.3.attn.q_proj.weight")
@@ -36,6 +37,7 @@ _KEEP = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch._higher_order_ops.flex_attention,  # document masks (ember.model.flex)
     # Tensor parallelism's collectives inside a block (DTensor issues them functionally).
     torch.ops._c10d_functional.all_reduce.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
@@ -80,6 +82,16 @@ def apply_recompute(module: nn.Module, mode: str, every: int = 1) -> None:
 
 def apply_compile(module: nn.Module) -> None:
     """Compile each block on its own: one small graph reused by every layer, and graph
-    breaks at the block boundaries, where FSDP and pipeline stages need them anyway."""
+    breaks at the block boundaries, where FSDP and pipeline stages need them anyway. Then
+    the end of the model: the final norm, and the chunked loss's work on each chunk of
+    logits (the output layer's loss is a custom autograd function that forms gradients in
+    its forward, so its loop stays eager and each chunk's fused kernels are compiled). Not
+    under tensor parallelism: its vocabulary-parallel head takes PyTorch's loss_parallel
+    cross-entropy, and its replicated norm is left as before."""
     for _, block in blocks_of(module):
         block.forward = torch.compile(block.forward)
+    norm, head = getattr(module, "norm", None), getattr(module, "head", None)
+    # The last pipeline stage or the whole model, with ember's own output layer.
+    if norm is not None and hasattr(head, "compiled") and not head.vocab_parallel:
+        norm.forward = torch.compile(norm.forward)
+        head.compiled = True

@@ -34,7 +34,8 @@ def register_plan(verbs) -> None:
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
     plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     plan.add_argument("--precision", default="bf16", help="bf16 or fp16")
-    plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style)")
+    plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style); "
+                                          "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
     plan.add_argument("--stack", help="the training software: ember (default), megatron, deepspeed or fsdp "
                                       "(what each does: docs/planner.md)")
@@ -89,6 +90,11 @@ def _setup(args):
             return None
         raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
     model, recipe = resolve_model(args.model)
+    if recipe is not None and args.grad_dtype is None:  # the gradients `ember train` would reduce
+        from ember.config import load_config
+        from ember.plan.stacks import run_stack
+
+        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe)))
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len

@@ -29,6 +29,7 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     parts += ["-m", "ember", "train", recipe or "RECIPE.toml", "--data", "DATA_DIR", "--out", "RUN_DIR"]
     settings = dict(prediction.layout.settings(shape.global_batch))
     settings["train.precision"] = shape.precision
+    settings["parallel.grad_dtype"] = cluster.stack.grad_dtype  # the gradient reduction it priced
     if recipe is None:
         for key in _MODEL_KEYS:
             value = getattr(model, key)
@@ -41,7 +42,8 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     return " ".join(p if p.startswith("$") or "=$" in p else shlex.quote(p) for p in parts)
 
 
-def command_notes(model, recipe: str | None, layout: Layout | None = None, shape: TrainShape | None = None) -> list[str]:
+def command_notes(model, recipe: str | None, layout: Layout | None = None,
+                  shape: TrainShape | None = None) -> list[str]:
     notes = []
     if layout is not None and shape is not None:
         # What only ember's trainer refuses (other frameworks run it, and the planner prices it).

@@ -52,3 +52,11 @@ def stack(name: str, **changes) -> Stack:
     if name not in STACKS:
         raise ConfigError(f"unknown --stack {name!r}; use one of {', '.join(STACKS)}.")
     return replace(STACKS[name], **changes)
+
+
+def run_stack(base: Stack, config) -> Stack:
+    """`base` as ember's trainer would run the recipe `config`: gradients reduced in its
+    `parallel.grad_dtype`. Other stacks price their own software, not the recipe's setting."""
+    if base.name != "ember":
+        return base
+    return replace(base, grad_dtype=config.parallel.grad_dtype)

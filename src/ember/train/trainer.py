@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ember.atomic import write_text
-from ember.config import Config, ConfigError, parse_budget, parse_interval, to_toml
+from ember.config import Config, parse_budget, parse_interval, to_toml
 from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
@@ -55,9 +55,9 @@ class Trainer:
         self.budget = parse_budget(cfg.train.budget)
         self.seq_len = int(self.manifest["seq_len"])
         self.world, self.rank, local_rank = env_world()
-        self.parallel = check_run(cfg, self.world, self.seq_len)
-        self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
         self.device = pick_device(cfg.train.device)
+        self.parallel = check_run(cfg, self.world, self.seq_len, self.device.type)
+        self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)

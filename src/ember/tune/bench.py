@@ -10,6 +10,7 @@ profiled step and the absolute step time comes from the plain steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -69,6 +70,7 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
     from ember.plan.cluster import make_cluster
     from ember.plan.memory import GIB
     from ember.plan.predict import predict
+    from ember.plan.stacks import run_stack
     from ember.tune.trials import plan_inputs
     from ember.device import device_name
 
@@ -80,6 +82,7 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
         gpu = known.name
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = make_cluster(gpu, world, gpus_per_node=per_node, profile=profile)
+    cluster = dataclasses.replace(cluster, stack=run_stack(cluster.stack, cfg))
     model, shape = plan_inputs(cfg, manifest, "run")
     p = predict(model, cluster, shape, Layout.from_config(cfg, world))
     comm = sum(p.shares[k] for k in ("tp_comm", "pp_comm", "dp_comm"))

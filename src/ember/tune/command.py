@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -51,12 +52,14 @@ def plan_trials(args):
     from ember.config import load_config
     from ember.data import load_manifest
     from ember.plan.search import search
+    from ember.plan.stacks import run_stack
     from ember.tune.trials import Trial, local_cluster, plan_inputs, select, trial_command
 
     _check_args(args)
     config = load_config(args.config, args.set)
     manifest = load_manifest(Path(args.data))
     cluster = local_cluster(args.nproc, args.profile)
+    cluster = replace(cluster, stack=run_stack(cluster.stack, config))  # the gradients the trials reduce
     model, shape = plan_inputs(config, manifest, Path(args.config).stem)
     result = search(model, cluster, shape)
     if not result.ranked:
