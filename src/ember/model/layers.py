@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.model import flex as flex_kernel
+import ember.model.flex as flex_kernel
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
