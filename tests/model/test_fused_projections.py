@@ -94,6 +94,18 @@ def test_fused_mlp_equals_one_linear_per_projection(activation, bias, amp):
     assert_same(with_random_biases(MLP(config(activation=activation, bias=bias))), hidden_states(), amp)
 
 
+def test_a_projection_with_hooks_of_its_own_is_called_on_its_own():
+    # As an outside tensor-parallel plan (parallelize_module) installs them on each projection.
+    torch.manual_seed(0)
+    block = Block(config(activation="swiglu"))
+    calls = []
+    block.attn.k_proj.register_forward_pre_hook(lambda module, args: calls.append("k"))
+    block.mlp.up.register_forward_hook(lambda module, args, out: calls.append("up"))
+    out = block(hidden_states())
+    assert calls == ["k", "up"]
+    torch.testing.assert_close(out, unfused(block)(hidden_states()), rtol=1e-5, atol=1e-6)
+
+
 def saved_bytes(module, inputs, amp) -> tuple[int, set[int]]:
     """Bytes of the storages autograd keeps for backward (parameters aside: they live
     anyway), and the element counts of those storages."""

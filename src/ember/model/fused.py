@@ -53,6 +53,12 @@ class _FusedLinear(torch.autograd.Function):
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
+def fusable(layers: Sequence[nn.Linear]) -> bool:
+    """Whether calling the layers one by one does nothing the fused matmul would skip: no
+    hooks on them (a tensor-parallel plan applied from outside, a per-layer FSDP wrap)."""
+    return not any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+
+
 def fused_linear(x: torch.Tensor, layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, ...]:
     """The outputs of `layers` (all with or all without bias) on `x`, from one matmul: views
     into one [..., sum of widths] tensor, equal to calling each layer."""

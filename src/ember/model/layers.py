@@ -5,8 +5,8 @@ Every projection is a plain `nn.Linear` with a stable name (`q_proj`, `k_proj`, 
 tensor-parallel plans applied from outside can address them; nothing here knows about
 devices, precision or parallelism. With `fused` (the default) attention computes q, k and v,
 and a gated MLP gate and up, in one matmul each over those same parameters
-(`ember.model.fused`); a tensor-parallel plan, whose hooks live on the projections, turns
-it off.
+(`ember.model.fused`); ember's tensor-parallel plan turns it off, and a projection with
+hooks of its own (an outside plan) is always called on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.model import flex as flex_kernel
-from ember.model.fused import fused_linear
+from ember.model.fused import fusable, fused_linear
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -113,8 +113,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask` (from `attention_mask`, True = may attend, or a FlexAttention BlockMask)
         replaces the objective's own pattern; None keeps SDPA's fast paths (causal or no mask)."""
-        if self.fused:
-            q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fused and fusable(projections):
+            q, k, v = fused_linear(x, projections)
             if self.rotary is not None:
                 # Rotary makes new q and k; a copy of v lets the fused output go instead
                 # of staying alive, 3x v's size, for attention's backward.
@@ -150,7 +151,10 @@ class MLP(nn.Module):
         if self.activation == "gelu":
             return self.down(F.gelu(self.up(x)))
         act = F.gelu if self.activation == "geglu" else F.silu
-        gate, up = fused_linear(x, (self.gate, self.up)) if self.fused else (self.gate(x), self.up(x))
+        if self.fused and fusable((self.gate, self.up)):
+            gate, up = fused_linear(x, (self.gate, self.up))
+        else:
+            gate, up = self.gate(x), self.up(x)
         return self.down(act(gate) * up)
 
 
