@@ -146,6 +146,11 @@ def two_stage_step(first: Stage, last: Stage):
     return step
 
 
+def unfused(model: nn.Module) -> bool:
+    """Whether every block calls its projections one by one, where the plan's hooks are."""
+    return not any(getattr(m, "fused", False) for m in model.modules())
+
+
 def compare(ref: dict, got: dict) -> dict:
     # k_proj.bias adds q.b to every score of a query, which softmax ignores: its exact
     # gradient is zero, and AdamW turns each run's rounding noise into steps of size lr.
@@ -175,6 +180,7 @@ def main(out_path: str) -> None:
             model.blocks["1"].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
             record = compare(ref, train(model, data, whole_model_step(model)))
             record["tied"] = tied == cfg.tie_embeddings
+            record["unfused"] = unfused(model)
             record["norm_tokens"] = seen[0]
             records[f"{name}/{'tp2+sp' if sp else 'tp2'}"] = record
 
@@ -193,7 +199,7 @@ def main(out_path: str) -> None:
         seen = []
         last.blocks["2"].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
         record = compare(ref, train(model, data, two_stage_step(first, last)))
-        record["tied"], record["norm_tokens"] = True, seen[0]
+        record["tied"], record["norm_tokens"], record["unfused"] = True, seen[0], unfused(model)
         records[f"stages-mlm-learned-swiglu/{'tp2+sp' if sp else 'tp2'}"] = record
 
     # torch.compile'd blocks (as train.compile does), through AOT autograd without code
@@ -211,6 +217,7 @@ def main(out_path: str) -> None:
     model.blocks["0"].mlp_norm.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
     record = compare(ref, train(model, data, whole_model_step(model)))
     record["tied"], record["norm_tokens"] = model.head.weight is model.embed.weight, seen[0]
+    record["unfused"] = unfused(model)
     records["compiled-causal-rotary-swiglu-tied/tp2+sp"] = record
 
     if dist.get_rank() == 0:

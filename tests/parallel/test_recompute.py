@@ -87,11 +87,13 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(mode, every=1):
+def _backward_ops(mode, every=1, fused=True):
     """Ops that run during backward: recomputed forward ops show up here."""
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["model.vocab_size=128", "model.layers=4"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
+    for block in model.blocks.values():
+        block.attn.fused = block.mlp.fused = fused
     apply_recompute(model, mode, every)
     ids = torch.randint(0, 128, (2, 64))
     loss = model(ids, ids, reduction="sum")
@@ -99,15 +101,24 @@ def _backward_ops(mode, every=1):
         loss.backward()
     attention = sum(n for name, n in counter.counts.items()
                     if name.startswith("_scaled_dot_product") and "backward" not in name)
-    return attention, counter.counts["mm"]
+    return attention, sum(counter.counts[name] for name in ("mm", "addmm", "bmm", "baddbmm"))
 
 
-def test_selective_recomputes_neither_attention_nor_projections():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_selective_recomputes_neither_attention_nor_projections(fused):
     attention, mm = {}, {}
     for mode in ("none", "selective", "full"):
-        attention[mode], mm[mode] = _backward_ops(mode)
+        attention[mode], mm[mode] = _backward_ops(mode, fused=fused)
     assert attention["none"] == attention["selective"] == 0 and attention["full"] == 4  # once per block
     assert mm["selective"] == mm["none"] < mm["full"]  # projections kept, not recomputed
+    # Full recomputation reruns each block's forward up to the last tensor backward needs (not
+    # the down projection): q/k/v in one matmul or three, o_proj, gate/up in one or two.
+    assert mm["full"] - mm["none"] == 4 * (3 if fused else 6)
+
+
+def test_fused_projections_take_one_matmul_per_gradient_in_backward():
+    # Per block, input and weight gradients: q/k/v 2 instead of 6, gate/up 2 instead of 4 (swiglu).
+    assert _backward_ops("none", fused=False)[1] - _backward_ops("none", fused=True)[1] == 4 * (4 + 2)
 
 
 def test_recompute_every_recomputes_only_the_chosen_blocks_in_backward():

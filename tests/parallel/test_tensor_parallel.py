@@ -58,6 +58,7 @@ def test_training_matches_one_process(results, case):
     assert r["param_names"], "the parallel model's parameter names differ from the plain model's"
     assert r["param_rel"] < PARAM_RTOL, f"{r['worst_param']} differs by {r['param_rel']:.2e} (relative)"
     assert r["tied"], "tying of the head and the embedding changed"
+    assert r["unfused"], "a tensor-parallel block still fuses its projections (the plan's hooks are on each)"
     # Sequence parallelism: the norms inside a block see half the sequence per rank.
     assert r["norm_tokens"] == (4 if case.endswith("+sp") else 8)
 

@@ -1,8 +1,12 @@
 """The parts of a transformer block: norm, rotary positions, attention, MLP, the block.
 
 Every projection is a plain `nn.Linear` with a stable name (`q_proj`, `k_proj`, `v_proj`,
-`o_proj`; `up`, `gate`, `down`) so that tensor-parallel plans applied from outside can
-address them; nothing here knows about devices, precision or parallelism.
+`o_proj`; `up`, `gate`, `down`) so that initialisation, checkpoints, export and
+tensor-parallel plans applied from outside can address them; nothing here knows about
+devices, precision or parallelism. With `fused` (the default) attention computes q, k and v,
+and a gated MLP gate and up, in one matmul each over those same parameters
+(`ember.model.fused`); ember's tensor-parallel plan turns it off, and a projection with
+hooks of its own (an outside plan) is always called on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 import ember.model.flex as flex_kernel
+from ember.model.fused import fusable, fused_linear
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -95,6 +100,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.fused = True
         self.rotary = (Rotary(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
                        if cfg.positions == "rotary" else None)
 
@@ -107,7 +113,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask` (from `attention_mask`, True = may attend, or a FlexAttention BlockMask)
         replaces the objective's own pattern; None keeps SDPA's fast paths (causal or no mask)."""
-        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.fused and fusable(projections):
+            q, k, v = fused_linear(x, projections)
+            if self.rotary is not None:
+                # Rotary makes new q and k; a copy of v lets the fused output go instead
+                # of staying alive, 3x v's size, for attention's backward.
+                v = v.contiguous()
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._split(q), self._split(k), self._split(v)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         if isinstance(mask, flex_kernel.BlockMask):  # documents kept apart by a block-sparse fused kernel
@@ -130,12 +145,17 @@ class MLP(nn.Module):
         self.gate = (nn.Linear(cfg.hidden, cfg.mlp_hidden, bias=cfg.bias)
                      if cfg.activation in ("geglu", "swiglu") else None)
         self.down = nn.Linear(cfg.mlp_hidden, cfg.hidden, bias=cfg.bias)
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "gelu":
             return self.down(F.gelu(self.up(x)))
         act = F.gelu if self.activation == "geglu" else F.silu
-        return self.down(act(self.gate(x)) * self.up(x))
+        if self.fused and fusable((self.gate, self.up)):
+            gate, up = fused_linear(x, (self.gate, self.up))
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(act(gate) * up)
 
 
 class Block(nn.Module):

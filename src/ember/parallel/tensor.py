@@ -68,6 +68,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, sequence_paral
 
     blocks = [block for _, block in blocks_of(module)]
     for block in blocks:
+        # The plan's hooks and DTensor weights are the projections' own: each is called alone.
+        block.attn.fused = block.mlp.fused = False
         parallelize_module(block, tp_mesh, _block_plan(block, tp_mesh, sequence_parallel))
     if sequence_parallel and blocks:
         blocks[0].register_forward_pre_hook(_take_sequence_slice(tp_mesh))
