@@ -57,6 +57,11 @@ GPT_SHAPES = {
     "small": dict(layers=4, hidden=256, heads=4, seq=128, batch=16, vocab=8192),
     "dry": dict(layers=2, hidden=64, heads=2, seq=64, batch=4, vocab=512),
 }
+# gpt2-small.toml's recipe is for 124M parameters and 5e9 tokens; a run of a few dozen
+# steps of this 6 x 384 shape takes nanoGPT's own lr for it (config/train_shakespeare_char.py:
+# 1e-3, floor 1e-4 = gpt2-small's min_lr_ratio) and a warmup of a tenth of the run (gpt2-small's
+# 1% would be under one step). Both sides get the same values.
+SHORT_RUN = ["optim.lr=1e-3", "schedule.warmup=0.1"]
 # BERT's GELU MLP of width `mlp` against ember's GeGLU of mlp/2 (Cramming splits one 4h
 # projection into gate and value halves), as benchmarks/vs_transformers.py does.
 BERT_SHAPES = {
@@ -107,10 +112,13 @@ def ember_trainer(recipe: str, data: Path, run_dir: Path, sets: list[str]) -> Tr
     return trainer
 
 
+def lr_multiplier(step: int, steps: int, schedule) -> float:
+    """The lr multiplier `Trainer.run` gives step `step` (0-based) of a run of `steps` steps."""
+    return lr_factor(Progress(step=step).step_fraction(Budget("steps", steps), 0, 0.0), schedule)
+
+
 def ember_lr(trainer: Trainer, step: int, steps: int) -> float:
-    """The lr `Trainer.run` gives step `step` (0-based) of a run of `steps` steps."""
-    progress = Progress(step=step, tokens=step * trainer.cfg.train.global_batch * trainer.seq_len)
-    return trainer.cfg.optim.lr * lr_factor(progress.fraction(Budget("steps", steps)), trainer.cfg.schedule)
+    return trainer.cfg.optim.lr * lr_multiplier(step, steps, trainer.cfg.schedule)
 
 
 def steady(seconds: list[float]) -> list[float]:
@@ -119,6 +127,12 @@ def steady(seconds: list[float]) -> list[float]:
 
 def rate(seconds: list[float], tokens_per_step: int) -> float:
     return tokens_per_step * len(steady(seconds)) / sum(steady(seconds))
+
+
+def adamw(optimizer) -> str:
+    """Which AdamW kernel: where a CPU step spends much of its time."""
+    d = optimizer.defaults
+    return "fused AdamW" if d.get("fused") else ("foreach AdamW" if d.get("foreach") else "for-loop AdamW")
 
 
 def timed(fn) -> float:
@@ -133,7 +147,7 @@ def gpt_seed(data: Path, manifest: dict, s: dict, steps: int, seed: int, runs: P
         f"model.layers={s['layers']}", f"model.hidden={s['hidden']}", f"model.heads={s['heads']}",
         f"model.mlp_hidden={4 * s['hidden']}", f"model.max_seq_len={s['seq']}", "model.vocab_size=0",
         f"train.micro_batch={s['batch']}", f"train.global_batch={s['batch']}", f"train.seed={seed}",
-        f"data.seed={seed}", "schedule.warmup=0.1", *sets])
+        f"data.seed={seed}", *SHORT_RUN, *sets])
     cfg, o = trainer.cfg, trainer.cfg.optim
     torch.manual_seed(seed)
     gpt = GPT(GPTConfig(block_size=s["seq"], vocab_size=cfg.model.padded_vocab, n_layer=s["layers"],
@@ -165,6 +179,7 @@ def gpt_seed(data: Path, manifest: dict, s: dict, steps: int, seed: int, runs: P
                        "val_loss": held_out_loss(lambda x, y: gpt(x, y)[0], val, cfg, manifest, s["batch"]),
                        "seconds": sum(seconds["nanogpt"]), "steady": steady(seconds["nanogpt"])},
            "seed": seed}
+    out["optimizer"] = {"ember": adamw(trainer.optimizer), "nanogpt": adamw(optimizer)}
     out["params"] = {"ember": sum(p.numel() for p in trainer.model.parameters()),
                      "nanogpt": sum(p.numel() for p in gpt.parameters())}
     trainer.release()
@@ -191,11 +206,11 @@ def bert_pair(data: Path, manifest: dict, s: dict, steps: int, seed: int, runs: 
     def ember_step(done: int) -> None:  # after the Trainer's step `done` (1-based): ember's same step
         ember_seconds.append(timed(lambda: trainer.train_step(s["batch"], ember_lr(trainer, done - 1, steps))[0]))
 
-    hf_seconds = hf_bert_trainer(
+    hf_seconds, hf_optimizer = hf_bert_trainer(
         bert, rows, hf_tokenizer(data, manifest), runs / f"hf-{seed}", micro_batch=s["micro"],
         global_batch=s["batch"], steps=steps, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
         clip=o.clip, mlm_rate=cfg.data.mlm_rate, seed=seed, between_steps=ember_step,
-        lr_at=lambda k, n: lr_factor(k / n, cfg.schedule))
+        lr_at=lambda k, n: lr_multiplier(k, n, cfg.schedule))
     tokens = s["batch"] * s["seq"]
     trainer.model.eval()
     bert.eval()
@@ -206,7 +221,9 @@ def bert_pair(data: Path, manifest: dict, s: dict, steps: int, seed: int, runs: 
                                                       s["micro"])},
            "params": {"ember": sum(p.numel() for p in trainer.model.parameters()),
                       "transformers": sum(p.numel() for p in bert.parameters())},
-           "seed": seed, "mlm_rate": cfg.data.mlm_rate, "steps": {"ember": len(ember_seconds), "transformers": len(hf_seconds)}}
+           "optimizer": {"ember": adamw(trainer.optimizer), "transformers": hf_optimizer},
+           "seed": seed, "mlm_rate": cfg.data.mlm_rate,
+           "steps": {"ember": len(ember_seconds), "transformers": len(hf_seconds)}}
     trainer.release()
     return out
 
@@ -238,6 +255,8 @@ def summary(result: dict) -> list[str]:
         v = g[side]["val_loss"]
         lines.append(f"{side:>8}: held-out loss {v['mean']:.3f} +- {v['std']:.3f} (min {v['min']:.3f}, max "
                      f"{v['max']:.3f}), {g[side]['tokens_per_s']:,.0f} tok/s (all seeds' steps)")
+    opt = g["runs"][0]["optimizer"]
+    lines.append(f"optimizer on this CPU: ember {opt['ember']}, nanoGPT {opt['nanogpt']} (nanoGPT fuses only on CUDA)")
     lines.append(f"speed ratio ember / nanoGPT {g['speed_ratio']:.2f}x (target >= {TARGETS['gpt']}x: "
                  f"{'met' if g['speed_met'] else 'NOT met'}); held-out loss ember - nanoGPT per seed "
                  f"{', '.join(f'{d:+.3f}' for d in g['loss_diff'])}")
@@ -249,6 +268,8 @@ def summary(result: dict) -> list[str]:
               f"{'':>14}{'tok/s':>10}{'seconds':>10}{'val loss':>10}",
               f"{'ember':>14}{e['tokens_per_s']:>10,.0f}{e['seconds']:>10.1f}{e['val_loss']:>10.3f}",
               f"{'transformers':>14}{t['tokens_per_s']:>10,.0f}{t['seconds']:>10.1f}{t['val_loss']:>10.3f}",
+              f"optimizer on this CPU: ember {b['run']['optimizer']['ember']}, transformers Trainer "
+              f"{b['run']['optimizer']['transformers']} (its default)",
               f"speed ratio ember / transformers Trainer {b['speed_ratio']:.2f}x (target >= {TARGETS['bert']}x: "
               f"{'met' if b['speed_met'] else 'NOT met'})"]
     return lines
@@ -262,6 +283,9 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-rows", type=int, default=64)
     parser.add_argument("--set", action="append", default=[], help="an ember config override for the GPT runs")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both sides (default 1: on a shared machine two threads on two busy "
+                             "cores wait on each other at every op)")
     parser.add_argument("--work", type=Path, help="folder for data and runs (default: a temp dir)")
     parser.add_argument("--dry-run", action="store_true", help="toy shapes, a few steps")
     parser.add_argument("--out", type=Path, help="write the report here")
@@ -269,6 +293,7 @@ def main() -> int:
     args = parser.parse_args()
     import transformers
 
+    torch.set_num_threads(args.threads)
     load_start = "/".join(f"{x:.1f}" for x in os.getloadavg())
     dry = args.dry_run
     gs, bs = GPT_SHAPES["dry" if dry else args.shape], BERT_SHAPES["dry" if dry else "default"]
@@ -308,7 +333,8 @@ def main() -> int:
                                                                        + sys.argv[1:]),
               "dry_run": dry, "load_start": load_start, "load_end": "/".join(f"{x:.1f}" for x in os.getloadavg()),
               "gpt": gpt, "bert": bert, "targets": TARGETS}
-    finite = all(math.isfinite(v) for r in gpt_runs for side in ("ember", "nanogpt") for v in (r[side]["val_loss"], r[side]["tokens_per_s"]))
+    finite = all(math.isfinite(r[side][key]) for r in gpt_runs + [run] for side in r["params"]
+                 for key in ("val_loss", "tokens_per_s"))
     lines = summary(result)
     print("\n".join(lines))
     if args.out:

@@ -177,7 +177,8 @@ def hf_bert_trainer(model, rows, tokenizer, out_dir, *, micro_batch, global_batc
     sequential so both sides see the same rows per step), masking with
     DataCollatorForLanguageModeling. `lr_at(step, steps)` is the lr multiplier (the same
     schedule ember runs), `between_steps(step)` is called after each optimizer step and its
-    time is left out of the Trainer's. Returns the Trainer's seconds per step."""
+    time is left out of the Trainer's. Returns the Trainer's seconds per step and the
+    optimizer it chose."""
     from torch.utils.data import SequentialSampler
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
@@ -218,4 +219,4 @@ def hf_bert_trainer(model, rows, tokenizer, out_dir, *, micro_batch, global_batc
     dataset = [{"input_ids": row} for row in rows]
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_rate)
     InOrder(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[clock]).train()
-    return clock.seconds
+    return clock.seconds, str(getattr(args.optim, "value", args.optim))
