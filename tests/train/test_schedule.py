@@ -1,7 +1,11 @@
+import json
+
 import pytest
 
-from ember.config import ScheduleConfig, parse_budget
+from conftest import REPO, TINY
+from ember.config import ScheduleConfig, load_config, parse_budget
 from ember.train.schedule import Progress, batch_size, lr_factor
+from ember.train.trainer import Trainer
 
 
 def test_triangle_is_crammings():
@@ -45,3 +49,27 @@ def test_progress_fraction_follows_the_budget_kind():
     assert p.fraction(parse_budget("8000tok")) == 0.25
     assert p.fraction(parse_budget("1m")) == 0.5
     assert p.fraction(parse_budget("10steps")) == 1.0
+
+
+def test_a_step_reads_the_schedule_at_its_middle():
+    """Read at the step's start, the first step of a warmup trains at lr 0: its gradient is
+    thrown away, and the warmup gives less than the area under its ramp."""
+    budget = parse_budget("40steps")
+    s = ScheduleConfig(lr="cosine", warmup=0.1, min_lr_ratio=0.1)
+    lrs = [lr_factor(Progress(step=k).step_fraction(budget, 0, 0.0), s) for k in range(40)]
+    assert lrs[0] == pytest.approx(0.125)
+    assert sum(lrs[:4]) == pytest.approx(2.0)  # as nanoGPT's (k + 1) / (warmup + 1) for 4 steps
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] > 0.1
+    last = Progress(step=39).step_fraction(budget, 0, 0.0)
+    assert lr_factor(last, ScheduleConfig(lr="triangle")) > 0  # the triangle's last step trains too
+    assert Progress(step=9, tokens=1000).step_fraction(parse_budget("4000tok"), 1000, 0.0) == 0.375
+    assert Progress(elapsed_s=30.0).step_fraction(parse_budget("1m"), 0, 6.0) == 0.55
+    assert Progress(step=99).step_fraction(parse_budget("10steps"), 0, 0.0) == 1.0
+
+
+def test_the_first_step_of_a_warmup_trains(dataset, tmp_path):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["schedule.warmup=0.5", "train.eval_every=1000steps"])
+    Trainer(cfg, dataset, tmp_path / "run", budget="4steps", progress=False).run()
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert len(lrs) == 4
+    assert lrs[:2] == pytest.approx([0.25 * cfg.optim.lr, 0.75 * cfg.optim.lr])

@@ -21,6 +21,18 @@ class Progress:
         used = {"steps": self.step, "tokens": self.tokens, "seconds": self.elapsed_s}[budget.kind]
         return min(1.0, used / budget.amount)
 
+    def step_fraction(self, budget: Budget, step_tokens: int, step_seconds: float) -> float:
+        """The fraction of the budget at the middle of the next step, which trains
+        `step_tokens` and is expected to take `step_seconds` (the last step's time; 0 before
+        the first): where that step reads its learning rate. The schedule there is about its
+        mean over the step. Read at the step's start, the first step of a warmup trains at
+        a learning rate of 0, a step whose gradient is thrown away (a run of 40 steps with
+        4 of warmup then trains at 1.5 steps' worth of warmup lr instead of 2); read at its
+        end, the last step of a triangle would."""
+        used = {"steps": self.step + 0.5, "tokens": self.tokens + step_tokens / 2,
+                "seconds": self.elapsed_s + step_seconds / 2}[budget.kind]
+        return min(1.0, used / budget.amount)
+
 
 def lr_factor(fraction: float, s: ScheduleConfig) -> float:
     """Multiplier of the peak learning rate at `fraction` (0..1) of the budget."""

@@ -179,10 +179,12 @@ class Trainer:
         self.evaluate.every = Every(parse_interval(t.eval_every, "train.eval_every"), progress)
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
         self.last_loss = self.last_val = float("nan")
+        step_s = 0.0  # the last step's time, for a time budget's step_fraction
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
-            lr = self.cfg.optim.lr * lr_factor(fraction, self.cfg.schedule)
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
+            lr = self.cfg.optim.lr * lr_factor(progress.step_fraction(self.budget, n * self.seq_len, step_s),
+                                               self.cfg.schedule)
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
             self.timer.enabled = (progress.step + 1) % t.log_every == 0
             self.profiler.enabled = self.timer.enabled and profiled(t.breakdown, self.world,
@@ -192,7 +194,9 @@ class Trainer:
                 loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens
+            started_s = progress.elapsed_s
             progress.elapsed_s, signal = clock.agree(stop.signal)
+            step_s = progress.elapsed_s - started_s
             logged = progress.step % t.log_every == 0 or progress.fraction(self.budget) >= 1.0
             throughput.stop(tokens, self.flops_per_token(self._predicted_fraction(count, tokens)) * tokens,
                             synchronise=logged)
