@@ -10,11 +10,11 @@ from ember.eval.glue import run_glue
 from ember.model import Transformer
 
 
-def _classifier(objective):
+def _classifier(objective, pooling="auto"):
     torch.manual_seed(0)
     cfg = ModelConfig(objective=objective, vocab_size=50, hidden=32, layers=2, heads=2, mlp_hidden=64,
                       max_seq_len=32, activation="swiglu", norm="rmsnorm", positions="rotary")
-    return Classifier(Transformer(cfg), 3, dropout=0.1).eval()
+    return Classifier(Transformer(cfg), 3, dropout=0.1, pooling=pooling).eval()
 
 
 def test_causal_pools_the_last_real_token():
@@ -42,6 +42,26 @@ def test_mlm_pools_the_first_token_which_sees_everything():
         # the pooled position is the first, and positions past the length are padding it
         # does not attend to: a right-padded example scores as it does alone
         torch.testing.assert_close(model(ids, torch.tensor([4])), model(ids[:, :4], torch.tensor([4])))
+
+
+@pytest.mark.parametrize("objective", ["mlm", "causal"])
+def test_mean_pooling_averages_the_real_tokens_only(objective):
+    model = _classifier(objective, pooling="mean")
+    ids = torch.randint(5, 50, (2, 10))
+    ids[1, 6:] = 0  # the second example is 6 tokens, right-padded
+    with torch.no_grad():
+        both = model(ids, torch.tensor([10, 6]))
+        alone = model(ids[1:, :6])  # no padding: the plain mean
+        h = model.encoder.trunk(ids[:1])
+        by_hand = model.out(torch.tanh(model.pooler(model.encoder.norm(h.mean(1)))))
+    torch.testing.assert_close(both[1:], alone)  # padding is neither attended to nor averaged
+    torch.testing.assert_close(both[:1], by_hand)
+    assert not torch.allclose(both[:1], _classifier(objective)(ids[:1], torch.tensor([10])))
+
+
+def test_unknown_pooling_is_refused():
+    with pytest.raises(ValueError, match="pooling must be one of auto, mean"):
+        _classifier("mlm", pooling="max")
 
 
 def test_dropout_is_on_while_fine_tuning():

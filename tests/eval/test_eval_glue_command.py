@@ -76,6 +76,23 @@ def test_broken_glue_folders_exit_2_with_one_sentence(run, tmp_path, capsys, bre
     assert not out.exists()  # refused before any fine-tuning
 
 
+def test_lr_and_mean_pooling_from_the_command_line(run, tmp_path, capsys):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    out = tmp_path / "r.json"
+    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte", "--seeds", "1",
+                 "--lr", "1e-4", "--pooling", "mean", "--out", str(out), "--quiet"]) == 0
+    results = json.loads(out.read_text())
+    assert results["protocol"]["lr"] == 1e-4 and results["protocol"]["pooling"] == "mean"
+    assert results["pooling"] == "mean"
+    capsys.readouterr()
+    for bad in ("0", "nan"):
+        assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--lr", bad,
+                     "--out", str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err
+        assert "--lr must be positive" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_not_a_run_and_the_wrong_tokenizer(run, tmp_path, capsys):
     glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
     assert main(["eval", "glue", "--checkpoint", str(tmp_path), "--glue-dir", str(glue)]) == 2

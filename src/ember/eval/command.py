@@ -10,11 +10,16 @@ from pathlib import Path
 def _cmd_glue(args) -> int:
     from rich.console import Console
 
+    from ember.config import ConfigError
+    from ember.eval.finetune import Protocol
     from ember.eval.glue import results_table, run_glue
 
+    lr = Protocol.lr if args.lr is None else args.lr
+    if not lr > 0:
+        raise ConfigError(f"--lr must be positive, not {args.lr}.")
     results = run_glue(args.checkpoint, args.glue_dir, tasks=args.tasks, seeds=args.seeds,
                        tokenizer=args.tokenizer, out=args.out, device=args.device, progress=not args.quiet,
-                       jobs=args.jobs)
+                       jobs=args.jobs, protocol=Protocol(lr=lr, pooling=args.pooling))
     console = Console()
     console.print(results_table(results))
     console.print(f"results written to {results['path']}")
@@ -56,6 +61,9 @@ def register_eval(verbs) -> None:
     glue.add_argument("--jobs", type=int, default=1,
                       help="fine-tuning runs (tasks x seeds) at once, in processes on the CPU, each with "
                            "cores/jobs threads (default 1)")
+    glue.add_argument("--lr", type=float, help="peak fine-tuning learning rate (default: the protocol's 4e-5)")
+    glue.add_argument("--pooling", choices=("auto", "mean"), default="auto",
+                      help="auto: first token of a masked LM, last of a causal LM; mean: average of all tokens")
     glue.add_argument("--quiet", action="store_true", help="no progress (bars in a terminal, lines elsewhere)")
     glue.set_defaults(func=_cmd_glue)
 

@@ -1,9 +1,12 @@
 """Fine-tune a pretrained encoder with a classification or regression head (the
 Cramming protocol) and predict with it.
 
-Pooling: a masked LM reads the first position (its [CLS] or leading separator); a causal
-LM reads its last real token, the only one that has seen the whole input, so the two
-objectives are compared on equal terms. Either way the hidden state goes through the
+Pooling (`Protocol.pooling`): "auto" reads, for a masked LM, the first position (its [CLS]
+or leading separator) and, for a causal LM, its last real token, the only one that has seen
+the whole input, so the two objectives are compared on equal terms. "mean" averages the
+real tokens' hidden states instead: a briefly pretrained masked LM has learned nothing at
+its first position (masked-token prediction never asks it for the sentence), while every
+token's state carries what pretraining taught. Either way the pooled state goes through the
 model's own final norm, then BERT's pooler (dense + tanh), dropout and a linear layer.
 The pooler is new and randomly initialised: ember pretrains no next-sentence task.
 
@@ -30,6 +33,9 @@ from ember.model import Transformer
 from ember.device import autocast
 
 
+POOLING = ("auto", "mean")
+
+
 @dataclass(frozen=True)
 class Protocol:
     """Cramming's fine-tuning hyperparameters, the same for every task."""
@@ -43,6 +49,7 @@ class Protocol:
     weight_decay: float = 0.0
     max_len: int = 128
     dropout: float = 0.1
+    pooling: str = "auto"  # "auto": first token (masked LM) or last (causal LM); "mean": all real tokens
     eval_batch: int = 256  # examples of one length per prediction batch (no padding)
     fused: bool = True  # AdamW's fused kernel where torch has one; False: its loop over tensors
 
@@ -51,9 +58,12 @@ class Protocol:
 
 
 class Classifier(nn.Module):
-    def __init__(self, encoder: Transformer, outputs: int, dropout: float):
+    def __init__(self, encoder: Transformer, outputs: int, dropout: float, pooling: str = "auto"):
         super().__init__()
+        if pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, not {pooling!r}")
         self.encoder = encoder
+        self.mean = pooling == "mean"
         self.first_token = encoder.cfg.objective == "mlm"
         hidden = encoder.cfg.hidden
         self.pooler = nn.Linear(hidden, hidden)
@@ -68,12 +78,15 @@ class Classifier(nn.Module):
         lengths None: no example is padded."""
         if lengths is None:
             h = self.encoder.trunk(ids)
-            pooled = h[:, 0] if self.first_token else h[:, -1]
+            pooled = h.mean(1) if self.mean else h[:, 0] if self.first_token else h[:, -1]
         else:
             real = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths[:, None]
             h = self.encoder.trunk(ids, key_padding_mask=real)
-            at = torch.zeros_like(lengths) if self.first_token else lengths - 1
-            pooled = h[torch.arange(len(ids), device=ids.device), at]
+            if self.mean:
+                pooled = (h * real[..., None]).sum(1) / lengths[:, None].to(h.dtype)
+            else:
+                at = torch.zeros_like(lengths) if self.first_token else lengths - 1
+                pooled = h[torch.arange(len(ids), device=ids.device), at]
         pooled = self.encoder.norm(pooled)
         pooled = torch.tanh(self.pooler(self.drop(pooled)))
         return self.out(self.drop(pooled))

@@ -105,6 +105,12 @@ def task_result(data: TaskData, done: list[dict], steps: int) -> dict:
             "steps_per_seed": steps, "seconds": round(sum(d["seconds"] for d in done), 2)}
 
 
+def pooling_name(objective: str, pooling: str) -> str:
+    if pooling == "mean":
+        return "mean"
+    return "first token" if objective == "mlm" else "last token"
+
+
 def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = None, seeds: int = 5,
              tokenizer: str | Path | None = None, out: str | Path | None = None, device: str = "auto",
              progress: bool = True, protocol: Protocol = Protocol(), jobs: int = 1) -> dict:
@@ -124,7 +130,7 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
                           "use --jobs 1 (or --device cpu).")
     results = {
         "checkpoint": str(run.run_dir), "weights": str(run.weights), "tokenizer": str(run.tokenizer_path),
-        "objective": run.objective, "pooling": "first token" if run.objective == "mlm" else "last token",
+        "objective": run.objective, "pooling": pooling_name(run.objective, protocol.pooling),
         "protocol": protocol.to_dict() | {"max_len": min(protocol.max_len, run.config.model.max_seq_len)},
         "seeds": list(range(seeds)), "device": device_name(dev), "jobs": jobs, "convention": CONVENTION,
         "tasks": {},

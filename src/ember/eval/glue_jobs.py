@@ -76,7 +76,7 @@ def fit_and_score(unit: Unit, run: Run | None = None, on_step=lambda step, loss:
     amp_dtype = autocast_dtype(run.config.train.precision, device)
     regression, p = unit.outputs == 1, unit.protocol
     torch.manual_seed(unit.seed)  # the head's initialisation and the dropout masks
-    model = Classifier(run.build_model(dropout=p.dropout), unit.outputs, p.dropout)
+    model = Classifier(run.build_model(dropout=p.dropout), unit.outputs, p.dropout, p.pooling)
     on_epoch = EpochLines(unit, steps_per_epoch(len(unit.train_rows), p.batch_size)) if lines else None
     finetune(model, unit.train_rows, unit.train_labels, regression, run.special_tokens["pad"], unit.seed, p,
              device, amp_dtype, on_step=on_step, **({"on_epoch": on_epoch} if on_epoch else {}))

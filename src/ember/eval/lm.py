@@ -68,7 +68,8 @@ def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | Non
     for start in range(0, len(ids), batch_size):
         # The trainer's held-out masks: rows numbered from the split's start.
         inputs, labels = make_targets(ids[start:start + batch_size], cfg.model.objective, cfg.data,
-                                      manifest["special_tokens"], manifest["vocab_size"], held_out_seed(cfg.data.seed), start)
+                                      manifest["special_tokens"], manifest["vocab_size"],
+                                      held_out_seed(cfg.data.seed), start)
         inputs, labels = inputs.to(dev), labels.to(dev)
         documents = None if docs is None else docs[start:start + batch_size].to(dev)
         keep = labels != IGNORE
