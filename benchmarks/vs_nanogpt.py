@@ -180,6 +180,8 @@ def gpt_seed(data: Path, manifest: dict, s: dict, steps: int, seed: int, runs: P
                        "seconds": sum(seconds["nanogpt"]), "steady": steady(seconds["nanogpt"])},
            "seed": seed}
     out["optimizer"] = {"ember": adamw(trainer.optimizer), "nanogpt": adamw(optimizer)}
+    out["precision"] = {"ember": "fp32" if trainer.amp_dtype is None else f"{str(trainer.amp_dtype)[6:]} autocast",
+                        "nanogpt": "fp32"}  # nanoGPT's train.py uses no autocast on a CPU
     out["params"] = {"ember": sum(p.numel() for p in trainer.model.parameters()),
                      "nanogpt": sum(p.numel() for p in gpt.parameters())}
     trainer.release()
@@ -236,8 +238,10 @@ def spread(values: list[float]) -> dict:
 def summary(result: dict) -> list[str]:
     g, b = result["gpt"], result["bert"]
     gs, bs = g["shape"], b["shape"]
+    precision = g["runs"][0]["precision"]
     lines = [f"ember vs nanoGPT-style loop and transformers Trainer on a CPU, {result['date']}: {result['cpu']}, "
-             f"{result['threads']} torch threads, fp32, eager (CPU numbers, not GPU numbers)",
+             f"{result['threads']} torch threads, eager (CPU numbers, not GPU numbers); GPT precision: ember "
+             f"{precision['ember']}, nanoGPT {precision['nanogpt']} (its train.py uses no autocast on a CPU)",
              f"command: {result['command']}",
              f"load average (1/5/15 min) at start {result['load_start']}, at end {result['load_end']}: a shared "
              "machine; each pair stepped in alternation so both sides saw the same load"]
@@ -260,6 +264,8 @@ def summary(result: dict) -> list[str]:
     lines.append(f"speed ratio ember / nanoGPT {g['speed_ratio']:.2f}x (target >= {TARGETS['gpt']}x: "
                  f"{'met' if g['speed_met'] else 'NOT met'}); held-out loss ember - nanoGPT per seed "
                  f"{', '.join(f'{d:+.3f}' for d in g['loss_diff'])}")
+    if b is None:
+        return lines
     e, t = b["run"]["ember"], b["run"]["transformers"]
     lines += ["", f"BERT MLM {bs['layers']} x {bs['hidden']} (transformers: GELU MLP {bs['mlp']}; ember: GeGLU "
               f"{bs['mlp'] // 2}, sparse prediction), seq {bs['seq']}, batch {bs['batch']}, vocab {b['vocab']}, "
@@ -279,7 +285,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("default", "small"), default="default", help="GPT shape")
     parser.add_argument("--steps", type=int, default=40, help="GPT steps per side and seed")
-    parser.add_argument("--bert-steps", type=int, default=30)
+    parser.add_argument("--bert-steps", type=int, default=30, help="0: the GPT comparison only")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--eval-rows", type=int, default=64)
     parser.add_argument("--set", action="append", default=[], help="an ember config override for the GPT runs")
@@ -297,7 +303,7 @@ def main() -> int:
     load_start = "/".join(f"{x:.1f}" for x in os.getloadavg())
     dry = args.dry_run
     gs, bs = GPT_SHAPES["dry" if dry else args.shape], BERT_SHAPES["dry" if dry else "default"]
-    steps, bert_steps = (6, 6) if dry else (args.steps, args.bert_steps)
+    steps, bert_steps = (6, min(6, args.bert_steps)) if dry else (args.steps, args.bert_steps)
     work = args.work or Path(tempfile.mkdtemp(prefix="ember-vs-nanogpt-"))
     work.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp(dir=work, prefix="runs-"))
@@ -319,21 +325,25 @@ def main() -> int:
     gpt["speed_met"] = gpt["speed_ratio"] >= TARGETS["gpt"]
     gpt["loss_diff"] = [r["ember"]["val_loss"] - r["nanogpt"]["val_loss"] for r in gpt_runs]
 
-    bdata, bman = prepared(work, "wordpiece", bs["vocab"], bs["seq"], dry)
-    bval = eval_rows(bdata, bman, 16 if dry else args.eval_rows)
-    run = bert_pair(bdata, bman, bs, bert_steps, 0, runs, bval)
-    print(f"bert: ember {run['ember']['tokens_per_s']:,.0f} tok/s val {run['ember']['val_loss']:.3f} | transformers "
-          f"{run['transformers']['tokens_per_s']:,.0f} tok/s val {run['transformers']['val_loss']:.3f}", flush=True)
-    ratio = run["ember"]["tokens_per_s"] / run["transformers"]["tokens_per_s"]
-    bert = {"shape": bs, "steps": bert_steps, "vocab": bman["vocab_size"], "mlm_rate": run["mlm_rate"], "run": run,
-            "speed_ratio": ratio, "speed_met": ratio >= TARGETS["bert"]}
+    bert, bert_runs = None, []
+    if bert_steps > 0:
+        bdata, bman = prepared(work, "wordpiece", bs["vocab"], bs["seq"], dry)
+        bval = eval_rows(bdata, bman, 16 if dry else args.eval_rows)
+        run = bert_pair(bdata, bman, bs, bert_steps, 0, runs, bval)
+        print(f"bert: ember {run['ember']['tokens_per_s']:,.0f} tok/s val {run['ember']['val_loss']:.3f} | "
+              f"transformers {run['transformers']['tokens_per_s']:,.0f} tok/s val "
+              f"{run['transformers']['val_loss']:.3f}", flush=True)
+        ratio = run["ember"]["tokens_per_s"] / run["transformers"]["tokens_per_s"]
+        bert = {"shape": bs, "steps": bert_steps, "vocab": bman["vocab_size"], "mlm_rate": run["mlm_rate"],
+                "run": run, "speed_ratio": ratio, "speed_met": ratio >= TARGETS["bert"]}
+        bert_runs = [run]
     result = {"date": datetime.date.today().isoformat(), "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version(), "command": " ".join(["python", "benchmarks/vs_nanogpt.py"]
                                                                        + sys.argv[1:]),
               "dry_run": dry, "load_start": load_start, "load_end": "/".join(f"{x:.1f}" for x in os.getloadavg()),
               "gpt": gpt, "bert": bert, "targets": TARGETS}
-    finite = all(math.isfinite(r[side][key]) for r in gpt_runs + [run] for side in r["params"]
+    finite = all(math.isfinite(r[side][key]) for r in gpt_runs + bert_runs for side in r["params"]
                  for key in ("val_loss", "tokens_per_s"))
     lines = summary(result)
     print("\n".join(lines))

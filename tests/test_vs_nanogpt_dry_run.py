@@ -34,3 +34,4 @@ def test_vs_nanogpt_dry_run(tmp_path):
     assert result["load_start"] and result["load_end"] and result["dry_run"] is True
     text = out.read_text()
     assert "DRY RUN" in text and "CPU numbers, not GPU numbers" in text and "held-out loss" in text
+    assert "GPT precision: ember fp32, nanoGPT fp32" in text and gpt["runs"][0]["precision"]["ember"] == "fp32"
