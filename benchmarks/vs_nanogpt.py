@@ -237,7 +237,7 @@ def spread(values: list[float]) -> dict:
 
 def summary(result: dict) -> list[str]:
     g, b = result["gpt"], result["bert"]
-    gs, bs = g["shape"], b["shape"]
+    gs = g["shape"]
     precision = g["runs"][0]["precision"]
     lines = [f"ember vs nanoGPT-style loop and transformers Trainer on a CPU, {result['date']}: {result['cpu']}, "
              f"{result['threads']} torch threads, eager (CPU numbers, not GPU numbers); GPT precision: ember "
@@ -266,7 +266,7 @@ def summary(result: dict) -> list[str]:
                  f"{', '.join(f'{d:+.3f}' for d in g['loss_diff'])}")
     if b is None:
         return lines
-    e, t = b["run"]["ember"], b["run"]["transformers"]
+    bs, e, t = b["shape"], b["run"]["ember"], b["run"]["transformers"]
     lines += ["", f"BERT MLM {bs['layers']} x {bs['hidden']} (transformers: GELU MLP {bs['mlp']}; ember: GeGLU "
               f"{bs['mlp'] // 2}, sparse prediction), seq {bs['seq']}, batch {bs['batch']}, vocab {b['vocab']}, "
               f"mask rate {b['mlm_rate']}, {b['steps']} steps, seed {b['run']['seed']}; params ember "

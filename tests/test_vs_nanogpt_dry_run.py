@@ -35,3 +35,17 @@ def test_vs_nanogpt_dry_run(tmp_path):
     text = out.read_text()
     assert "DRY RUN" in text and "CPU numbers, not GPU numbers" in text and "held-out loss" in text
     assert "GPT precision: ember fp32, nanoGPT fp32" in text and gpt["runs"][0]["precision"]["ember"] == "fp32"
+
+
+def test_vs_nanogpt_gpt_only_with_ember_in_bf16(tmp_path):
+    out, numbers = tmp_path / "report.txt", tmp_path / "numbers.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks/vs_nanogpt.py"), "--dry-run", "--seeds", "1",
+                           "--bert-steps", "0", "--set", "train.precision=bf16", "--work", str(tmp_path / "work"),
+                           "--out", str(out), "--json", str(numbers)],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(numbers.read_text())
+    assert result["bert"] is None and result["gpt"]["runs"][0]["precision"] == {"ember": "bfloat16 autocast",
+                                                                                 "nanogpt": "fp32"}
+    text = out.read_text()
+    assert "GPT precision: ember bfloat16 autocast, nanoGPT fp32" in text and "BERT" not in text

@@ -112,3 +112,27 @@ def test_pipeline_boundary_regathers_scattered_activations_without_sp():
     gather = comm.all_gather_s(full, groups["tp"], cluster.links)
     assert gather > 0
     assert boundary_s(LLAMA, shape, plain, groups, cluster.links) == pytest.approx(send + gather)
+
+
+def test_an_fp32_run_moves_4_byte_elements():
+    """Without autocast (a CPU run) every activation, gathered weight and reduced gradient is
+    4 bytes: elementwise traffic and tensor-parallel, ZeRO and data-parallel messages double;
+    the matmuls (priced at the measured rate of the run's dtype) do not change."""
+    seq = 2048
+    bf16 = layer_times(LLAMA, A100, LINKS, seq, 1, 2, True, "none", "flash")
+    fp32 = layer_times(LLAMA, A100, LINKS, seq, 1, 2, True, "none", "flash", 2)
+    assert fp32.forward.elementwise == pytest.approx(2 * bf16.forward.elementwise)
+    assert fp32.forward.matmul == bf16.forward.matmul and fp32.forward.attention == bf16.forward.attention
+    assert fp32.forward.tp_comm > 1.5 * bf16.forward.tp_comm
+    assert embed_times(LLAMA, A100, LINKS, seq, 1, 1, False, 2)[0].elementwise == pytest.approx(
+        2 * embed_times(LLAMA, A100, LINKS, seq, 1, 1, False)[0].elementwise)
+    # the loss already works on fp32 logits: only the final norm's traffic doubles
+    head = [head_times(LLAMA, A100, LINKS, seq, 1, 1, False, width)[0].elementwise for width in (1, 2)]
+    assert head[0] < head[1] < 1.1 * head[0]
+    cluster = make_cluster("A100-80GB", 16)
+    for layout in (Layout(dp_replicate=16), Layout(dp_shard=16, zero=3), Layout(tp=2, dp_replicate=8)):
+        half, full = (predict(LLAMA, cluster, TrainShape(seq, 64, precision), layout)
+                      for precision in ("bf16", "fp32"))
+        assert full.step_time_s > half.step_time_s
+        assert 1.5 * half.detail["elementwise_s"] < full.detail["elementwise_s"] <= 2 * half.detail["elementwise_s"]
+        assert full.shares["dp_comm"] * full.step_time_s > 1.5 * half.shares["dp_comm"] * half.step_time_s

@@ -31,7 +31,7 @@ PRECISIONS = ("bf16", "fp16")
 class TrainShape:
     seq_len: int
     global_batch: int  # sequences per optimizer step
-    precision: str = "bf16"  # bf16 or fp16: 2-byte activations and weights, the same peak; fp32 (memory only): a CPU run
+    precision: str = "bf16"  # bf16 or fp16: 2-byte activations and weights, the same peak; fp32: a CPU run, 4-byte
 
     @property
     def tokens(self) -> int:

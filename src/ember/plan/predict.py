@@ -82,6 +82,18 @@ class Prediction:
                 "time_shares": self.shares, "detail": self.detail, "interval": self.interval}
 
 
+def element_width(shape: TrainShape) -> int:
+    """Activation (and gathered weight) bytes over 2: a run without autocast (fp32, as on a
+    CPU) moves 4-byte elements where a bf16 run moves 2."""
+    return 2 if shape.precision == "fp32" else 1
+
+
+def gradient_bytes(stack, shape: TrainShape) -> int:
+    """Bytes per reduced gradient: the stack's choice in mixed precision, 4 in an fp32 run
+    (bf16 gradient reduction is refused there)."""
+    return 4 if shape.precision == "fp32" else stack.grad_bytes
+
+
 def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tuple[float, float]:
     """(time through the pipeline, of which fill and drain) for per-micro-batch stage times."""
     slowest = max(stage_times)
@@ -91,9 +103,9 @@ def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tu
 
 def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
-    stack = cluster.stack
+    stack, width = cluster.stack, element_width(shape)
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         stack.recompute_policy(lo.recompute), stack.attention)
+                         stack.recompute_policy(lo.recompute), stack.attention, width)
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
@@ -102,13 +114,15 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     kernels = layer_kernel_count(model, stack.attention)
     fwd_kernels, bwd_kernels = n * kernels, n * kernels * BACKWARD_KERNELS + again * kernels
     if embedding:
-        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
+        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
+                                           lo.sp, width)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
     if output:
-        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp)
+        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
+                                        lo.sp, width)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
-    accumulate = memory_s(stage_params(model, lo, stage) * 2 * stack.grad_bytes
+    accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)
                           / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
     return _as_run(fwd, fwd_kernels, stack), _as_run(bwd, bwd_kernels, stack)
@@ -131,7 +145,7 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> flo
     (Narayanan et al. 2021, scatter/gather optimisation). Without sequence parallelism the
     next stage needs the whole activation on every rank, so the receivers all-gather it over
     NVLink; with sequence parallelism the slice is what the next layer takes."""
-    full = lo.micro_batch * shape.seq_len * model.hidden * 2
+    full = lo.micro_batch * shape.seq_len * model.hidden * 2 * element_width(shape)
     send = comm.p2p_s(full / lo.tp, groups["pp"], links)
     gather = comm.all_gather_s(full, groups["tp"], links) if lo.tp > 1 and not lo.sp else 0.0
     return send + gather
@@ -141,7 +155,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
     m = lo.micro_batches(shape.global_batch)
-    grad_bytes = stack.grad_bytes
+    grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)
     p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links) if lo.pp > 1 else 0.0
 
     shard, rep = groups["dp_shard"], groups["dp_replicate"]
@@ -156,7 +170,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         per_mb = 0.0
         if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
-            gather = overlap.sharded_s(params * 2, units, shard, links)
+            gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
             scatter = overlap.sharded_s(grads, units, shard, links)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
                       + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
@@ -175,7 +189,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
             reduce = comm.all_reduce_s(grads / lo.dp_shard, rep, links)
         # The last micro-batch's backward hides the step's reduction, all but its last bucket.
         reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
-        gather = comm.all_gather_s(params * 2, shard, links) if lo.zero in (1, 2) else 0.0
+        gather = comm.all_gather_s(params * weight_bytes, shard, links) if lo.zero in (1, 2) else 0.0
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.dp_shard if lo.zero >= 1 else 1)
@@ -208,5 +222,5 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention)
+                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape))
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

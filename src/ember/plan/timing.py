@@ -36,7 +36,9 @@ and its dropout.
 Elementwise work (norms, residual adds, activation functions, dropout, rotary embedding,
 the loss, the embedding lookup and its dense gradient) is priced by bytes moved at `hbm_eff`
 of the HBM bandwidth; its backward moves about 1.5x the forward's bytes (it reads the saved
-input and the incoming gradient).
+input and the incoming gradient). Activations are 2-byte (bf16 autocast); `width` = 2 prices
+a run without autocast (fp32, as on a CPU): every activation byte count doubles, in memory
+traffic and in tensor-parallel messages alike.
 
 Kernel launches. Every kernel leaves the GPU idle for about KERNEL_S = 3 µs beyond its work:
 the launch itself (~1 µs when launches are queued ahead, NVIDIA's "Getting Started with CUDA
@@ -128,7 +130,7 @@ class LayerTimes:
     recompute: Work  # what checkpointing reruns before the backward pass
 
 
-def _attention_core(model, b: int, s: int, t: int, gpu, attention: str) -> tuple[Work, Work]:
+def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: int = 1) -> tuple[Work, Work]:
     """Forward and backward of softmax(Q·Kᵀ)·V for one micro-batch on one GPU."""
     heads, d = model.heads // t, model.head_dim
     if attention == "flash":
@@ -140,8 +142,8 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str) -> tuple
     values = matmul_s(s, d, s, gpu, n)
     mask = 1 if model.dropout else 0
     elems = n * s * s
-    fwd_bytes = elems * (4 + 5 * mask)  # scale-mask-softmax in and out; dropout in, out, mask
-    bwd_bytes = elems * (6 + 5 * mask)
+    fwd_bytes = elems * (4 + 5 * mask) * width  # scale-mask-softmax in and out; dropout in, out, mask
+    bwd_bytes = elems * (6 + 5 * mask) * width
     fwd = Work(matmul=scores + values, elementwise=memory_s(fwd_bytes, gpu))
     bwd = Work(matmul=2 * (scores + values), elementwise=memory_s(bwd_bytes, gpu))
     return fwd, bwd
@@ -149,8 +151,9 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str) -> tuple
 
 @lru_cache(maxsize=4096)
 def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                attention: str) -> LayerTimes:
-    """One transformer block's forward, backward and recomputation for one micro-batch."""
+                attention: str, width: int = 1) -> LayerTimes:
+    """One transformer block's forward, backward and recomputation for one micro-batch;
+    `width` 2: 4-byte activations (no autocast)."""
     tokens = mbs * seq
     h, f = model.hidden, model.mlp_hidden
     fwd_mm = bwd_mm = 0.0
@@ -161,7 +164,7 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
             k = k / tp  # row parallel: the input is split
         fwd_mm += matmul_s(tokens, n, k, gpu)
         bwd_mm += matmul_s(tokens, k, n, gpu) + matmul_s(k, n, tokens, gpu)  # input grad, weight grad
-    core_fwd, core_bwd = _attention_core(model, mbs, seq, tp, gpu, attention)
+    core_fwd, core_bwd = _attention_core(model, mbs, seq, tp, gpu, attention, width)
 
     mask = 1 if model.dropout else 0
     split = tp if sp else 1
@@ -169,12 +172,12 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     per_token += (6 if gated(model) else 4) * f / tp  # the activation function
     if model.positions == "rotary":
         per_token += 4 * (h + kv_hidden(model)) / tp
-    elem_fwd = memory_s(tokens * per_token, gpu)
+    elem_fwd = memory_s(tokens * per_token * width, gpu)
 
     tp_fwd = 0.0
     if tp > 1:  # two all-reduces, or with sequence parallelism two all-gathers + two reduce-scatters
         group = comm.place(tp, 1, links.gpus_per_node)
-        activation = tokens * h * 2
+        activation = tokens * h * 2 * width
         if sp:
             tp_fwd = 2 * (comm.all_gather_s(activation, group, links) + comm.reduce_scatter_s(activation, group, links))
         else:
@@ -212,7 +215,7 @@ def layer_kernel_count(model, attention: str) -> int:
 
 
 @lru_cache(maxsize=4096)
-def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tuple[Work, Work]:
+def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, width: int = 1) -> tuple[Work, Work]:
     """The last stage's extra work: final norm, output projection and the loss.
 
     The loss is a vocabulary-parallel cross-entropy over fp32 logits as Megatron-LM writes it
@@ -229,13 +232,13 @@ def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tupl
     h, vocab = model.hidden, model.padded_vocab / tp
     fwd_mm = matmul_s(predicted, vocab, h, gpu)
     bwd_mm = matmul_s(predicted, h, vocab, gpu) + matmul_s(h, vocab, predicted, gpu)
-    norm = memory_s(tokens * 4 * h / (tp if sp else 1), gpu)
+    norm = memory_s(tokens * 4 * h * width / (tp if sp else 1), gpu)
     loss_fwd = memory_s(predicted * vocab * LOSS_FWD_BYTES, gpu)
     loss_bwd = memory_s(predicted * vocab * LOSS_BWD_BYTES, gpu)
     comm_fwd = comm_bwd = 0.0
     if tp > 1:
         group = comm.place(tp, 1, links.gpus_per_node)
-        activation = tokens * h * 2
+        activation = tokens * h * 2 * width
         if sp:
             comm_fwd = comm.all_gather_s(activation, group, links)
             comm_bwd = comm.reduce_scatter_s(activation, group, links)
@@ -249,7 +252,7 @@ def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tupl
 
 
 @lru_cache(maxsize=4096)
-def embed_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tuple[Work, Work]:
+def embed_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, width: int = 1) -> tuple[Work, Work]:
     """The first stage's extra work: the embedding lookup and its gradient.
 
     Forward gathers a row of h per token (read and written, bf16; a dropout reads, writes and
@@ -261,12 +264,12 @@ def embed_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool) -> tup
     tokens = mbs * seq
     h, rows = model.hidden, model.padded_vocab / tp
     split = tp if sp else 1
-    lookup = tokens * h * 4 + (tokens * h * 5 / split if model.dropout else 0.0)
-    dense = rows * h * 2 + tokens * h * 4
+    lookup = (tokens * h * 4 + (tokens * h * 5 / split if model.dropout else 0.0)) * width
+    dense = (rows * h * 2 + tokens * h * 4) * width
     comm_fwd = comm_bwd = 0.0
     if tp > 1:
         group = comm.place(tp, 1, links.gpus_per_node)
-        activation = tokens * h * 2
+        activation = tokens * h * 2 * width
         if sp:
             comm_fwd = comm.reduce_scatter_s(activation, group, links)
             comm_bwd = comm.all_gather_s(activation, group, links)

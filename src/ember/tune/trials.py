@@ -37,14 +37,20 @@ TRIAL_SETTINGS = {"train.log_every": 1, "train.eval_every": "1000000steps", "tra
                   "train.checkpoint_every": "1000000steps", "train.breakdown": "off"}
 
 
-def plan_inputs(config: Config, manifest: dict, name: str) -> tuple[ModelSpec, TrainShape]:
+def plan_inputs(config: Config, manifest: dict, name: str, device=None) -> tuple[ModelSpec, TrainShape]:
     """The planner's model and training shape for a recipe trained on prepared data: the data
-    fixes the sequence length, and the vocabulary where the recipe leaves it to the data."""
+    fixes the sequence length, and the vocabulary where the recipe leaves it to the data; the
+    recipe's precision on `device` (default: the one it would train on) fixes the element
+    size (fp32 without autocast, as on a CPU; bf16 otherwise)."""
+    from ember.device import autocast_dtype, pick_device
+
     model = config.model
     if model.vocab_size <= 0:
         model = dataclasses.replace(model, vocab_size=int(manifest["vocab_size"]))
     spec = from_config(model, name, config.data.mlm_rate)
-    return spec, TrainShape(int(manifest["seq_len"]), config.train.global_batch, "bf16")
+    device = pick_device(config.train.device) if device is None else device
+    precision = "fp32" if autocast_dtype(config.train.precision, device) is None else "bf16"
+    return spec, TrainShape(int(manifest["seq_len"]), config.train.global_batch, precision)
 
 
 def local_cluster(nproc: int, profile: str | Path | None) -> Cluster:
