@@ -35,6 +35,7 @@ class Workers:
     def __init__(self, n: int, tokenizer_json: str, clean: dict, dedup: dict, curriculum: str | None = None):
         self.n = n
         self.pool = None
+        self.broken = False
         if n == 0:
             init_worker(tokenizer_json, clean, dedup, single_thread=False, curriculum=curriculum)
         else:
@@ -56,18 +57,36 @@ class Workers:
                 pending.append((meta, self.pool.submit(process, docs)))
                 if len(pending) >= 2 * self.n:
                     meta_out, future = pending.popleft()
-                    yield meta_out, future.result()
+                    yield meta_out, self._result(future)
             while pending:
                 meta_out, future = pending.popleft()
-                yield meta_out, future.result()
+                yield meta_out, self._result(future)
         except BrokenProcessPool:
+            self.broken = True
             raise DataError("a tokenizing worker process died (out of memory?); "
                             "run the same command again with fewer --workers.") from None
 
+    def _result(self, future) -> BatchResult:
+        # The executor notices a dead worker itself, but on some Python versions its
+        # bookkeeping thread can deadlock on the dead worker's pipe (CPython gh-94777,
+        # gh-105829); looking at the processes' exit codes does not depend on it.
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if any(p.exitcode is not None for p in list((self.pool._processes or {}).values())):
+                    raise BrokenProcessPool from None
+
     def close(self) -> None:
-        if self.pool is not None:
+        if self.pool is None:
+            return
+        if self.broken:  # waiting could hang on the dead worker: end the others and move on
+            for process in list((self.pool._processes or {}).values()):
+                process.kill()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        else:
             self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+        self.pool = None
 
     def __enter__(self) -> Workers:
         return self
