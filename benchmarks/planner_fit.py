@@ -4,8 +4,8 @@
 
 Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff` and
 `host_s_per_kernel` are chosen on a grid to minimise the median |log(predicted/measured)|
-of that stack's fitted rows; COMM_SLOWDOWN (plan/overlap.py) is shared by all stacks and
-chosen the same way over all fitted rows, each set weighted equally. Two rounds of
+of that stack's fitted rows; COMM_SLOWDOWN (plan/overlap.py) and HOST_OVERLAP_POWER
+(plan/predict.py) are shared by all stacks and chosen the same way over all fitted rows, each set weighted equally. Two rounds of
 coordinate descent. Prints the values; they are copied by hand into plan/stacks.py and
 plan/overlap.py, with the output committed under benchmarks/results/.
 """
@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import planner_sets
 
-from ember.plan import overlap
+from ember.plan import overlap, predict
 
 KERNEL_EFF = [round(0.55 + 0.025 * i, 3) for i in range(21)]
-HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 50e-6, 60e-6, 80e-6, 100e-6]
+HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 45e-6, 50e-6, 55e-6, 60e-6, 65e-6, 70e-6, 80e-6, 100e-6]
+HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 
 
@@ -69,9 +70,14 @@ def main() -> int:
             overlap.COMM_SLOWDOWN = v
             slow.append((score(current), v))
         overlap.COMM_SLOWDOWN = min(slow)[1]
-        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
+        powers = []
+        for v in HOST_POWER:
+            predict.HOST_OVERLAP_POWER = v
+            powers.append((score(current), v))
+        predict.HOST_OVERLAP_POWER = min(powers)[1]
+        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; HOST_OVERLAP_POWER {predict.HOST_OVERLAP_POWER}; "
               + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us"
-                          for n, v in values.items()) + f"; score {min(slow)[0]:.4f}")
+                          for n, v in values.items()) + f"; score {min(powers)[0]:.4f}")
     return 0
 
 

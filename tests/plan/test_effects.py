@@ -1,6 +1,8 @@
 """One test per physical effect of the step-time model that the first version lacked: each
 fails if its effect is removed (see docs/planner.md, "The cost model")."""
 
+import dataclasses
+
 import pytest
 
 from ember.hardware import gpu_by_name
@@ -11,9 +13,11 @@ from ember.plan.comm import Links
 from ember.plan.layout import TrainShape
 from ember.plan.memory import stage_params
 from ember.plan.models import PRESETS
-from ember.plan.predict import _stage_work, boundary_s, predict
+from ember.plan.stacks import stack
+from ember.plan.predict import HOST_OVERLAP_POWER, _as_run, _stage_work, boundary_s, predict, tp_collectives
 from ember.plan.timing import (
     KERNEL_S,
+    Work,
     embed_times,
     head_times,
     layer_kernel_count,
@@ -77,6 +81,7 @@ def test_embedding_gradient_is_a_dense_table_on_the_first_stage():
     # The first stage of a pipeline carries it: its work is its layers, the embedding, and
     # accumulating its weight gradients, nothing else.
     cluster = make_cluster("A100-80GB", 2)
+    cluster = dataclasses.replace(cluster, stack=dataclasses.replace(cluster.stack, host_s_per_kernel=0.0))
     lo = Layout(pp=2, micro_batch=1, recompute="selective")
     stage_fwd, stage_bwd = _stage_work(LLAMA, cluster, TrainShape(seq, 16), lo, 0)
     layer = layer_times(LLAMA, A100, cluster.links, seq, 1, 1, False, "selective", "flash")
@@ -136,3 +141,35 @@ def test_an_fp32_run_moves_4_byte_elements():
         assert full.step_time_s > half.step_time_s
         assert 1.5 * half.detail["elementwise_s"] < full.detail["elementwise_s"] <= 2 * half.detail["elementwise_s"]
         assert full.shares["dp_comm"] * full.step_time_s > 1.5 * half.shares["dp_comm"] * half.step_time_s
+
+
+def test_an_eager_host_bounds_a_pass_softly():
+    """A pass takes the soft maximum of the host's time to issue its calls and the GPU's
+    work: the larger far from the crossover, more than either near it."""
+    eager = stack("deepspeed", kernel_eff=1.0)
+    busy = Work(matmul=1e-3)
+    host = 100 * eager.host_s_per_kernel
+    assert _as_run(busy, 100, eager).total == pytest.approx((host**HOST_OVERLAP_POWER + 1e-3**HOST_OVERLAP_POWER)
+                                                          ** (1 / HOST_OVERLAP_POWER))
+    assert _as_run(busy, 100, eager).total > max(host, 1e-3)
+    assert _as_run(busy, 1, eager).total == pytest.approx(1e-3, rel=0.01)  # GPU-bound
+    assert _as_run(Work(matmul=1e-6), 1000, eager).total == pytest.approx(1000 * eager.host_s_per_kernel, rel=0.01)
+
+
+def test_tensor_parallel_collectives_are_host_calls():
+    """Each tensor-parallel collective is a torch.distributed call the host must issue: a
+    host-bound stack's pass grows with them even where the GPU work would not."""
+    eager = make_cluster("A100-80GB", 8, stack=stack("deepspeed"))
+    tiny = PRESETS["gpt2-small"].with_shape(layers=2, hidden=256, heads=4, mlp_hidden=1024)
+    shape = TrainShape(128, 8)
+    assert tp_collectives(Layout(tp=2)) == 2 and tp_collectives(Layout(tp=2, sp=True)) == 4
+    assert tp_collectives(Layout()) == 0
+    counted = _stage_work(tiny, eager, shape, Layout(tp=2, micro_batch=1, recompute="full"), 0)
+    silent = stack("deepspeed", host_s_per_kernel=0.0)
+    gpu_only = _stage_work(tiny, dataclasses.replace(eager, stack=silent), shape,
+                           Layout(tp=2, micro_batch=1, recompute="full"), 0)
+    kernels = layer_kernel_count(tiny, eager.stack.attention)
+    # forward: each layer's kernels and two all-reduces; the host bounds this tiny pass
+    host_fwd, p = 2 * (kernels + 2) * eager.stack.host_s_per_kernel, HOST_OVERLAP_POWER
+    assert host_fwd > gpu_only[0].total
+    assert counted[0].total == pytest.approx((host_fwd**p + gpu_only[0].total**p) ** (1 / p))

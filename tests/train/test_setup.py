@@ -60,8 +60,11 @@ def test_a_time_budget_ends_on_time_and_annealed(dataset, tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     lrs = [json.loads(x)["lr"] for x in lines if '"lr"' in x]
     # The last step starts one step-time before the end, which a loaded machine stretches:
-    # past the peak and well down the decay, not at a fixed fraction of it.
-    assert max(lrs) > 0.5 * cfg.optim.lr and lrs[-1] < 0.5 * max(lrs) and lrs[-1] < lrs[-2]
+    # past the peak and well down the decay, not at a fixed fraction of it. A slow step
+    # (a checkpoint, a busy machine) never sends the schedule back up.
+    assert max(lrs) > 0.5 * cfg.optim.lr and lrs[-1] < 0.5 * max(lrs)
+    peak = lrs.index(max(lrs))
+    assert all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1:]))
 
 
 def test_the_last_step_of_a_time_budget_is_logged(dataset, tmp_path):

@@ -54,6 +54,7 @@ from ember.plan.timing import (
 )
 
 ADAM_BYTES = 26
+HOST_OVERLAP_POWER = 2.0  # fitted (benchmarks/results/2026-11-25-planner-fit.txt); see _as_run
 
 
 @dataclass
@@ -111,8 +112,12 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     # Only the layers `recompute_every` covers rerun their forward.
     again = n * lo.recomputed_fraction(model.layers)
     fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * again
-    kernels = layer_kernel_count(model, stack.attention)
-    fwd_kernels, bwd_kernels = n * kernels, n * kernels * BACKWARD_KERNELS + again * kernels
+    # Host calls per layer: its kernels, and its tensor-parallel collectives (each a
+    # torch.distributed call that costs the host about as much as a launch).
+    kernels, calls = layer_kernel_count(model, stack.attention), tp_collectives(lo)
+    rerun = kernels + (calls if lo.recompute == "full" else 0)
+    fwd_kernels = n * (kernels + calls)
+    bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun
     if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
                                            lo.sp, width)
@@ -128,16 +133,30 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     return _as_run(fwd, fwd_kernels, stack), _as_run(bwd, bwd_kernels, stack)
 
 
+def tp_collectives(lo: Layout) -> int:
+    """Tensor-parallel collectives of one layer's forward: two all-reduces, or with sequence
+    parallelism two all-gathers and two reduce-scatters."""
+    return 0 if lo.tp <= 1 else (4 if lo.sp else 2)
+
+
 def _as_run(work: Work, kernels: float, stack) -> Work:
     """`work` as `stack` runs it: its kernels at `kernel_eff` of the planner's rates, and the
-    GPU idle while the host, launching `kernels` eagerly, falls behind the pass's compute."""
+    pass no faster than the host can issue its `kernels` host calls.
+
+    An eager framework issues kernels from Python while the GPU runs earlier ones. With an
+    unbounded queue the pass would take max(host, GPU); it takes longer near the crossover,
+    because the host only runs ahead while long kernels (the matmuls) execute and loses the
+    lead on runs of short ones (norms, activations, collectives) and at every sync point. A
+    soft maximum (host^p + GPU^p)^(1/p) with p = HOST_OVERLAP_POWER prices that: equal to
+    the larger term far from the crossover, √2 times it at the crossover for p = 2."""
     if stack.kernel_eff != 1.0:
         work = Work(work.matmul / stack.kernel_eff, work.attention / stack.kernel_eff, work.elementwise,
                     work.tp_comm, work.launch)
-    host = kernels * stack.host_s_per_kernel
-    if host > work.total:
-        work = work + Work(launch=host - work.total)
-    return work
+    host, device = kernels * stack.host_s_per_kernel, work.total
+    if host <= 0 or device <= 0:
+        return work + Work(launch=max(0.0, host - device))
+    p = HOST_OVERLAP_POWER
+    return work + Work(launch=(host**p + device**p) ** (1 / p) - device)
 
 
 def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> float:

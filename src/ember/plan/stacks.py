@@ -18,7 +18,8 @@ naming what that software does, not tuning ember's own constants to it:
 Two figures per stack are fitted on the fitted rows of the public sets
 (benchmarks/planner_fit.py; held-out rows never enter): `kernel_eff`, the share of the
 GPU table's matmul and attention rates the stack's kernels reach end to end, and
-`host_s_per_kernel`, the host time per launched kernel that bounds small passes. ember's
+`host_s_per_kernel`, the host time per call it issues (a kernel, or a tensor-parallel
+collective) that bounds small passes (plan/predict.py: _as_run). ember's
 are not fitted to other software: its kernel_eff is 1 (its rates are what `ember plan
 calibrate` measures) and its host time is that of eager PyTorch with fused blocks.
 """
@@ -38,11 +39,11 @@ from ember.plan.cluster import Stack
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
-                      overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.975, selective="attention"),
+                      overlap_param_gather=False, host_s_per_kernel=70e-6, kernel_eff=0.975, selective="attention"),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
-                       overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=80e-6,
-                       kernel_eff=1.0, selective="attention"),
-    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=2e-6, kernel_eff=0.75,
+                       overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
+                       kernel_eff=1.05, selective="attention"),
+    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=60e-6, kernel_eff=0.75,
                   selective="attention"),
 }
 

@@ -180,11 +180,15 @@ class Trainer:
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
         self.last_loss = self.last_val = float("nan")
         step_s = 0.0  # the last step's time, for a time budget's step_fraction
+        # Where the schedule was last read. The time a step is expected to take is the last
+        # one's, which an evaluation or a checkpoint before it stretches; the schedule must
+        # not run backwards on the step after.
+        read_at = 0.0
         while progress.fraction(self.budget) < 1.0:
             fraction = progress.fraction(self.budget)
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
-            lr = self.cfg.optim.lr * lr_factor(progress.step_fraction(self.budget, n * self.seq_len, step_s),
-                                               self.cfg.schedule)
+            read_at = max(read_at, progress.step_fraction(self.budget, n * self.seq_len, step_s))
+            lr = self.cfg.optim.lr * lr_factor(read_at, self.cfg.schedule)
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
             self.timer.enabled = (progress.step + 1) % t.log_every == 0
             self.profiler.enabled = self.timer.enabled and profiled(t.breakdown, self.world,
@@ -216,6 +220,7 @@ class Trainer:
             if HALT in decisions or (ROLLBACK in decisions and not self._roll_back(progress, log, bar)):
                 return "stopped on a loss spike"
             if ROLLBACK in decisions:
+                read_at = 0.0  # a step or token budget goes back with the weights
                 continue
             if checkpoints.due(progress):
                 self.save(progress)
