@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{name}: ember bench printed no prediction (is the profile readable?)")
             rows.append({"layout": name, "procs": LAYOUTS[name][0], "measured_step_s": result["step_s"],
                          "predicted_step_s": predicted["step_s"], "predicted_gib": predicted["memory_gib"],
-                         "measured_gib": max(r["peak_memory_gib"] for r in result["ranks"])})
+                         "measured_gib": max(r["peak_reserved_gib"] for r in result["ranks"])})
             print(rows[-1], flush=True)
     summary = summarise(rows)
     text = report(rows, summary, args)

@@ -154,6 +154,15 @@ def peak_memory_bytes(device: torch.device) -> float:
     return float(peak)
 
 
+def peak_reserved_bytes(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory` as `ember plan` predicts it: on CUDA what the
+    caching allocator reserved (allocated plus its cached, fragmented blocks), elsewhere the
+    process's peak resident set."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_reserved(device))
+    return peak_memory_bytes(device)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

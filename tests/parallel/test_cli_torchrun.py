@@ -45,6 +45,7 @@ def test_torchrun_two_processes_writes_one_run(dataset, tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["world_size"] == 2 and summary["peak_memory_gib"] > 0
+    assert summary["peak_reserved_gib"] >= summary["peak_memory_gib"]
     # The final model gathered from both shards loads into the plain model and scores
     # the logged held-out loss again.
     cfg = load_config(out / "config.toml")

@@ -73,3 +73,26 @@ def test_full_recompute_and_sharding_lower_memory():
     zero3 = memory(model, Layout(dp_shard=8, zero=3, micro_batch=2, recompute="full"), shape, gpu)
     assert full.activations < none.activations / 10 and full.total < none.total
     assert zero3.total < full.total and zero3.weights == pytest.approx(full.weights / 8)
+
+
+def test_a_gpu_run_measures_the_allocator_a_cpu_run_the_process():
+    """torch.cuda.max_memory_reserved holds everything the planner predicts but the runtime
+    (CUDA context, library workspaces); a CPU's peak resident set holds that too."""
+    mem = stage_memory(GPT, Layout(), TrainShape(128, 8), 0, 2, "flash", 80 * 2**30)
+    assert mem.runtime > 0
+    assert mem.measured_as("cuda") == pytest.approx(mem.total - mem.runtime)
+    assert mem.measured_as("cpu") == mem.total
+
+
+def test_the_cuda_peak_is_the_allocators_reservation(monkeypatch):
+    import torch
+
+    from ember import device as dev
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 5 * 2**30)
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert dev.peak_reserved_bytes(cuda) == 7 * 2**30
+    assert dev.peak_memory_bytes(cuda) == 5 * 2**30
+    cpu = torch.device("cpu")
+    assert dev.peak_reserved_bytes(cpu) == dev.peak_memory_bytes(cpu) > 0

@@ -115,6 +115,9 @@ def test_read_trial_takes_peak_memory_from_the_summary(tmp_path):
     (tmp_path / "summary.json").write_text('{"status": "finished", "peak_memory_gib": 3.5}')
     result = read_trial(tmp_path, 1)
     assert result == {"tokens_per_s": 320.0, "measured_steps": 1, "peak_memory_gib": 3.5, "status": "finished"}
+    # A GPU run's summary also has the allocator's peak reservation: what the planner predicts.
+    (tmp_path / "summary.json").write_text('{"status": "finished", "peak_memory_gib": 3.5, "peak_reserved_gib": 3.9}')
+    assert read_trial(tmp_path, 1)["peak_memory_gib"] == 3.9
 
 
 def test_failure_reasons():

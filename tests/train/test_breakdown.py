@@ -95,9 +95,12 @@ def test_bench_of_a_pipeline_sees_its_bubble(dataset, tmp_path):
     # The planner's prediction for the same layout comes beside the measurement.
     predicted = result["predicted"]
     assert predicted["step_s"] > 0 and predicted["memory_gib"] > 0 and predicted["bubble_share"] > 0
+    # On a CPU the measured peak is the resident set, runtime included: the whole prediction.
+    assert predicted["memory_gib"] == predicted["memory_total_gib"]
     for rank in result["ranks"]:
         # GPipe on two stages: each stage waits for the other for part of every step.
         assert rank["bubble_s"] > 0 and rank["compute_s"] > 0
+        assert rank["peak_reserved_gib"] == rank["peak_memory_gib"] > 0
         assert rank["bubble_s"] + rank["compute_s"] <= rank["profiled_step_s"]
         assert "forward_backward_s" in rank and "forward_s" not in rank
 

@@ -150,6 +150,13 @@ class Memory:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
+    def measured_as(self, device_type: str) -> float:
+        """The part of the prediction a run's measured peak is compared with. On a GPU the run
+        reports its caching allocator's peak reservation (torch.cuda.max_memory_reserved):
+        everything but the runtime, which lives outside the allocator. Elsewhere it reports
+        the process's peak resident set, runtime included (a calibrated profile measures it)."""
+        return self.total - self.runtime if device_type == "cuda" else self.total
+
     def parts_gib(self) -> dict[str, float]:
         names = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "runtime", "fragmentation")
         return {name: round(getattr(self, name) / GIB, 2) for name in names}

@@ -25,8 +25,8 @@ from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
 from ember.layout import SCHEDULES, check_run
-from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes, pick_device,
-                          reset_peak_memory, use_device)
+from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes,
+                          peak_reserved_bytes, pick_device, reset_peak_memory, use_device)
 from ember.model import Transformer
 from ember.parallel.engine import build_engine
 from ember.parallel.mesh import Topology, build_mesh, env_world, init_distributed
@@ -298,6 +298,7 @@ class Trainer:
             "tokens_per_s": progress.tokens / max(progress.elapsed_s, 1e-9),
             "device": device_name(self.device), "run_dir": str(self.run_dir),
             "world_size": self.world, "peak_memory_gib": round(self.peak_memory_gib(), 3),
+            "peak_reserved_gib": round(self.peak_reserved_gib(), 3),
         }
         if status == "finished":
             save_model(self.engine.parts, self.run_dir / "model.safetensors")
@@ -323,6 +324,10 @@ class Trainer:
     def peak_memory_gib(self) -> float:
         """Peak memory of this rank since the model was built (`ember.device.peak_memory_bytes`)."""
         return peak_memory_bytes(self.device) / 2**30
+
+    def peak_reserved_gib(self) -> float:
+        """The same peak as `ember plan` predicts it (`ember.device.peak_reserved_bytes`)."""
+        return peak_reserved_bytes(self.device) / 2**30
 
 
 def _bar_stats(record: dict) -> dict[str, str]:

@@ -43,7 +43,7 @@ def measure(trainer, steps: int, warmup: int) -> dict:
         plain.append(time.perf_counter() - start)
     phases = trainer.timer.read()
     # Read before profiling: the profiler's own host memory (its event buffers) is not the run's.
-    peak_gib = trainer.peak_memory_gib()
+    peak_gib, reserved_gib = trainer.peak_memory_gib(), trainer.peak_reserved_gib()
     trainer.timer.enabled, trainer.profiler.enabled = False, True
     profiled = []
     for _ in range(steps):
@@ -57,6 +57,7 @@ def measure(trainer, steps: int, warmup: int) -> dict:
     out |= {name: value / steps for name, value in parts.items()}
     out["other_s"] = max(0.0, out["profiled_step_s"] - out["compute_s"] - out["exposed_comm_s"] - out["bubble_s"])
     out["peak_memory_gib"] = peak_gib
+    out["peak_reserved_gib"] = reserved_gib  # what the prediction's memory_gib compares with
     return out
 
 
@@ -87,7 +88,8 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
     p = predict(model, cluster, shape, Layout.from_config(cfg, world))
     comm = sum(p.shares[k] for k in ("tp_comm", "pp_comm", "dp_comm"))
     return {"source": profile or gpu, "step_s": p.step_time_s, "tokens_per_s": p.tokens_per_s_per_gpu * world,
-            "memory_gib": p.memory.total / GIB, "exposed_comm_share": comm, "bubble_share": p.shares["bubble"]}
+            "memory_gib": p.memory.measured_as(device.type) / GIB, "memory_total_gib": p.memory.total / GIB,
+            "exposed_comm_share": comm, "bubble_share": p.shares["bubble"]}
 
 
 def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: int,
@@ -178,7 +180,7 @@ def render_prediction(result: dict, console) -> None:
         table.add_column(column, justify="left" if not column else "right")
     rows = [("step time (s)", p["step_s"], result["step_s"]),
             ("tokens/s", p["tokens_per_s"], result["tokens_per_s"]),
-            ("memory per rank (GiB)", p["memory_gib"], max(r["peak_memory_gib"] for r in ranks)),
+            ("memory per rank (GiB)", p["memory_gib"], max(r["peak_reserved_gib"] for r in ranks)),
             ("exposed communication (share)", p["exposed_comm_share"], share("exposed_comm_s")),
             ("pipeline bubble (share)", p["bubble_share"], share("bubble_s"))]
     for label, want, got in rows:

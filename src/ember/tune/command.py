@@ -147,6 +147,6 @@ def table(trials, finished, n_gpus: int) -> Table:
                                                         + (" rss" if t.memory_source == "rss" else ""))
         status = "ok" if t.status == "finished" else f"failed: {t.reason}"
         out.add_row(str(t.index), p.layout.text(), f"{predicted:,.0f}", measured, ratio,
-                    f"{p.memory.total / 2**30:.2f}", memory, str(t.index),
+                    f"{t.predicted_memory_gib:.2f}", memory, str(t.index),
                     str(measured_rank.get(t.index, "-")), status)
     return out

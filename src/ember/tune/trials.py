@@ -134,7 +134,9 @@ def read_trial(run_dir: Path, warmup: int) -> dict:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"tokens_per_s": tokens_per_s, "measured_steps": steps,
-            "peak_memory_gib": summary.get("peak_memory_gib"), "status": summary.get("status")}
+            # The peak as the planner predicts it (the allocator's reservation on a GPU).
+            "peak_memory_gib": summary.get("peak_reserved_gib", summary.get("peak_memory_gib")),
+            "status": summary.get("status")}
 
 
 _OOM = re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|std::bad_alloc|MemoryError"
@@ -216,13 +218,19 @@ class Trial:
     measured_steps: int = 0
     peak_memory_gib: float | None = None
     memory_source: str = ""  # "trainer" (summary.json) or "rss" (the OS's peak resident set)
+    device_type: str = "cpu"  # where the trial ran: which part of the predicted memory it measures
     seconds: float = 0.0
+
+    @property
+    def predicted_memory_gib(self) -> float:
+        """The predicted peak this trial's measurement compares with (plan.memory.Memory.measured_as)."""
+        return self.prediction.memory.measured_as(self.device_type) / GIB
 
     def to_dict(self, n_gpus: int) -> dict:
         p = self.prediction
         return {"trial": self.index, "layout": p.layout.text(), "status": self.status, "reason": self.reason,
                 "predicted": {"tokens_per_s": p.tokens_per_s_per_gpu * n_gpus, "step_time_s": p.step_time_s,
-                              "memory_gib_per_gpu": p.memory.total / GIB},
+                              "memory_gib_per_gpu": self.predicted_memory_gib},
                 "measured": {"tokens_per_s": self.tokens_per_s, "steps": self.measured_steps,
                              "peak_memory_gib": self.peak_memory_gib, "memory_source": self.memory_source},
                 "seconds": self.seconds, "run_dir": str(self.run_dir), "command": self.command}
@@ -235,6 +243,7 @@ def run_trial(trial: Trial, timeout: float, warmup: int, host_memory: bool = Tru
     start = time.monotonic()
     status, timed_out, rss = run_process(trial.command, log_path, timeout)
     trial.seconds = time.monotonic() - start
+    trial.device_type = "cpu" if host_memory else "cuda"
     result = read_trial(trial.run_dir, warmup)
     trial.tokens_per_s, trial.measured_steps = result["tokens_per_s"], result["measured_steps"]
     if result["peak_memory_gib"] is not None:
