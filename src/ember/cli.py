@@ -22,6 +22,7 @@ def _cmd_train(args) -> int:
     trainer = Trainer(config, Path(args.data), Path(args.out), budget=args.budget,
                       resume=args.resume, progress=not args.quiet)
     summary = trainer.run()
+    trainer.close()
     if trainer.rank == 0:  # under torchrun, one summary for the whole run
         _print_summary(summary)
     if summary["status"] == "interrupted":

@@ -316,6 +316,18 @@ class Trainer:
         self.engine = self.model = self.optimizer = self.evaluate = self.train_data = None
         gc.collect()
 
+    def close(self) -> None:
+        """Release the run, then end the process group: every rank waits for the others
+        first, so none tears it down while another still talks over it (PyTorch asks for
+        destroy_process_group before exit; NCCL otherwise warns, and may leave a peer's
+        last collective waiting)."""
+        import torch.distributed as dist
+
+        self.release()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
     def layout(self) -> dict[str, int]:
         """The parallel degrees that decide which rank draws which random numbers; a
         checkpoint restores RNG streams only into the same degrees."""
