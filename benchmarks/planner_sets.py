@@ -55,7 +55,7 @@ SHARED = _shared()
 SETS = ("published_runs", "published_runs_more", "vtrain")
 
 # What each source ran (named stacks, plan/stacks.py; see docs/planner.md "Stacks").
-MEGATRON_2021 = stack("megatron", attention="unfused")
+MEGATRON_2021 = stack("megatron-2021")
 MEGATRON_CORE = stack("megatron")
 MEGATRON_CORE_OVERLAP = stack("megatron", overlap_grad_reduce=True, overlap_param_gather=True)
 MEGATRON_DEEPSPEED = stack("deepspeed")

@@ -31,10 +31,10 @@ def published(accuracy):
 
 
 def test_published_runs(published):
-    for part, median, bias in (("fitted", 0.03, 0.03), ("held_out", 0.07, 0.07)):
+    for part, median, bias in (("fitted", 0.03, 0.03), ("held_out", 0.05, 0.05)):
         s = published[part]
         assert s["rows"] >= 5
-        assert s["median"] <= median and abs(s["bias"]) <= bias and s["max"] <= 0.11
+        assert s["median"] <= median and abs(s["bias"]) <= bias and s["max"] <= 0.07
     # The interval is the 10th-90th percentile of the errors: about four rows in five inside.
     inside = published["fitted"]["inside"] + published["held_out"]["inside"]
     assert inside >= 0.75 * (published["fitted"]["rows"] + published["held_out"]["rows"])

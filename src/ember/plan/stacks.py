@@ -8,7 +8,9 @@ naming what that software does, not tuning ember's own constants to it:
 - `megatron`: Megatron-LM / Megatron-Core with its defaults: fp32 main gradients, the
   gradient all-reduce after the backward pass (--overlap-grad-reduce and
   --overlap-param-gather are off unless asked for), Transformer Engine flash attention.
-  Megatron-LM before 2022 ran unfused attention: add `--attention unfused`.
+- `megatron-2021`: Megatron-LM as Narayanan et al. ran it in 2021 (PyTorch 1.8-era kernels,
+  unfused attention with its fused scale-mask-softmax, fp32 main gradients, no overlap):
+  other software than today's Megatron-Core, so its kernel rate is its own.
 - `deepspeed`: Megatron-DeepSpeed: unfused attention, 2-byte gradients, no gradient
   bucketing overlap, ZeRO-3 fetching each parameter-holding sub-module with its own
   collective (four weights and two norms per block) and without reliable prefetch.
@@ -39,7 +41,10 @@ from ember.plan.cluster import Stack
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
-                      overlap_param_gather=False, host_s_per_kernel=70e-6, kernel_eff=0.975, selective="attention"),
+                      overlap_param_gather=False, host_s_per_kernel=65e-6, kernel_eff=0.975, selective="attention"),
+    "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
+                           overlap_param_gather=False, host_s_per_kernel=100e-6, kernel_eff=0.9,
+                           selective="attention"),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
                        overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
                        kernel_eff=1.05, selective="attention"),
