@@ -72,6 +72,12 @@ def test_under_torchrun_with_gloo_measures_collectives(tmp_path):
     # The planner prices a 2-rank ring on the measured bus bandwidth.
     cluster = make_cluster(None, 2, profile=out)
     assert comm.bus_bandwidth(comm.Group(2, 2), cluster.links) == pytest.approx(best * 1e9, rel=1e-3)
+    # Eager tensor parallelism's host cost: the split block issues the four all-reduces the
+    # planner prices, and what it costs beyond them reaches the profile's stack.
+    block = profile["measured"]["tp_block"]
+    assert block["collectives"] == 4 and block["split_s"] > block["plain_s"] > 0
+    assert cluster.stack.tp_host_s_per_layer == block["tp_host_s_per_layer"] >= 0
+    assert cluster.stack.host_overlaps is False  # a CPU: dispatch and compute share the cores
 
 
 def _rows(busbw_gbps, latency_s):

@@ -16,6 +16,8 @@ What it measures:
   message's time its per-collective latency. With several nodes (WORLD_SIZE >
   LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
   ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
+- under torchrun on one node: the host time an eager tensor-parallel block adds beyond its
+  collectives (plan/host_cost.py), into the stack's `tp_host_s_per_layer`.
 
 Run alone it measures one process and leaves the links at the device's defaults.
 """
@@ -211,7 +213,8 @@ def describe_device(device: torch.device, local_world: int, idle_bytes: int | No
 
 
 def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
-                  collectives: dict, world: int, local_world: int, attention: dict | None = None) -> dict:
+                  collectives: dict, world: int, local_world: int, attention: dict | None = None,
+                  tp_block: dict | None = None) -> dict:
     """The profile file's content from the measurements (see the module docstring). `known`
     is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
     from ember.hardware import GPU
@@ -244,12 +247,17 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
               f"({processes}, {dtype_name})")
     measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
                 "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps,
-                "attention": attention, **collectives}
+                "attention": attention, "tp_block": tp_block, **collectives}
     profile = {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
+    stack = {}
+    if tp_block is not None:
+        stack["tp_host_s_per_layer"] = tp_block["tp_host_s_per_layer"]
     if device["name"] == "cpu (calibrated)":
-        # gloo's collectives run on the same cores as the compute they would hide behind:
-        # on a CPU nothing overlaps.
-        profile["stack"] = {"overlap_grad_reduce": False, "overlap_param_gather": False}
+        # gloo's collectives run on the same cores as the compute they would hide behind,
+        # and so does the host's dispatch: on a CPU nothing overlaps.
+        stack |= {"overlap_grad_reduce": False, "overlap_param_gather": False, "host_overlaps": False}
+    if stack:
+        profile["stack"] = stack
     return profile
 
 
@@ -318,12 +326,18 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)
         attention = measure_attention(device, torch_dtype, ATTENTION[(device.type, quick)], quick_min)
         collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
+        tp_block = None
+        if world > 1 and world == local_world:  # a tensor-parallel group stays inside a node
+            from ember.plan.host_cost import split_block_host
+
+            tp_block = split_block_host(device, 50 if quick else 300)
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
         per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
         known, info = describe_device(device, per_node, idle)
-        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention)
+        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention,
+                                tp_block)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text(out, json.dumps(profile, indent=2) + "\n")
         return profile

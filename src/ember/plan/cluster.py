@@ -65,6 +65,13 @@ class Stack:
     # Host time the framework spends per kernel it launches in eager mode (Python, autograd,
     # hooks). The GPU waits when a pass's kernels are too small to outlast it.
     host_s_per_kernel: float = 10e-6
+    # Host time tensor parallelism adds to one layer's forward and backward beyond its
+    # kernels and collectives (eager DTensor dispatch; plan/host_cost.py measures it when
+    # `ember plan calibrate` runs under torchrun). 0 where unmeasured.
+    tp_host_s_per_layer: float = 0.0
+    # Whether the host issues work while the device computes (a GPU), or shares its cores
+    # with the compute so that their times add (a CPU; a calibrated CPU profile says so).
+    host_overlaps: bool = True
     # Share of the GPU table's matmul and attention rates this stack's kernels reach
     # (1.0 for ember, whose rates `ember plan calibrate` measures; fitted for the others).
     kernel_eff: float = 1.0

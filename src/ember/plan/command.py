@@ -37,8 +37,8 @@ def register_plan(verbs) -> None:
     plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style); "
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
-    plan.add_argument("--stack", help="the training software: ember (default), megatron, megatron-2021, deepspeed or fsdp "
-                                      "(what each does: docs/planner.md)")
+    plan.add_argument("--stack", help="the training software: ember (default), megatron, megatron-2021, deepspeed "
+                                      "or fsdp (what each does: docs/planner.md)")
     plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
@@ -94,7 +94,8 @@ def _setup(args):
         from ember.config import load_config
         from ember.plan.stacks import run_stack
 
-        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe)))
+        device_type = "cuda" if cluster.stack.host_overlaps else "cpu"  # a calibrated CPU's stack says so
+        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe), device_type))
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len

@@ -118,6 +118,12 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     rerun = kernels + (calls if lo.recompute == "full" else 0)
     fwd_kernels = n * (kernels + calls)
     bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun
+    # Eager tensor parallelism's own host work (DTensor dispatch), measured per layer pass
+    # and shared between forward and backward as their kernels are.
+    tp_host = stack.tp_host_s_per_layer if lo.tp > 1 else 0.0
+    share = 1 / (1 + BACKWARD_KERNELS)
+    fwd_host = n * tp_host * share
+    bwd_host = n * tp_host * (1 - share) + (again * tp_host * share if lo.recompute == "full" else 0.0)
     if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
                                            lo.sp, width)
@@ -130,7 +136,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)
                           / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
-    return _as_run(fwd, fwd_kernels, stack), _as_run(bwd, bwd_kernels, stack)
+    return _as_run(fwd, fwd_kernels, stack, fwd_host), _as_run(bwd, bwd_kernels, stack, bwd_host)
 
 
 def tp_collectives(lo: Layout) -> int:
@@ -139,7 +145,7 @@ def tp_collectives(lo: Layout) -> int:
     return 0 if lo.tp <= 1 else (4 if lo.sp else 2)
 
 
-def _as_run(work: Work, kernels: float, stack) -> Work:
+def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Work:
     """`work` as `stack` runs it: its kernels at `kernel_eff` of the planner's rates, and the
     pass no faster than the host can issue its `kernels` host calls.
 
@@ -148,11 +154,15 @@ def _as_run(work: Work, kernels: float, stack) -> Work:
     because the host only runs ahead while long kernels (the matmuls) execute and loses the
     lead on runs of short ones (norms, activations, collectives) and at every sync point. A
     soft maximum (host^p + GPU^p)^(1/p) with p = HOST_OVERLAP_POWER prices that: equal to
-    the larger term far from the crossover, √2 times it at the crossover for p = 2."""
+    the larger term far from the crossover, √2 times it at the crossover for p = 2. Where
+    the host shares its cores with the compute (a CPU: `stack.host_overlaps` false) the
+    two add. `extra_host_s`: host work beyond the calls (eager tensor parallelism's)."""
     if stack.kernel_eff != 1.0:
         work = Work(work.matmul / stack.kernel_eff, work.attention / stack.kernel_eff, work.elementwise,
                     work.tp_comm, work.launch)
-    host, device = kernels * stack.host_s_per_kernel, work.total
+    host, device = kernels * stack.host_s_per_kernel + extra_host_s, work.total
+    if not stack.host_overlaps:
+        return work + Work(launch=host)
     if host <= 0 or device <= 0:
         return work + Work(launch=max(0.0, host - device))
     p = HOST_OVERLAP_POWER

@@ -60,9 +60,14 @@ def stack(name: str, **changes) -> Stack:
     return replace(STACKS[name], **changes)
 
 
-def run_stack(base: Stack, config) -> Stack:
-    """`base` as ember's trainer would run the recipe `config`: gradients reduced in its
-    `parallel.grad_dtype`. Other stacks price their own software, not the recipe's setting."""
+def run_stack(base: Stack, config, device_type: str = "cuda") -> Stack:
+    """`base` as ember's trainer would run the recipe `config` on `device_type`: gradients
+    reduced in its `parallel.grad_dtype`, and no eager tensor-parallel host cost where it
+    compiles its blocks (compilation traces DTensor's dispatch away). Other stacks price
+    their own software, not the recipe's settings."""
+    from ember.layout import compiles
+
     if base.name != "ember":
         return base
-    return replace(base, grad_dtype=config.parallel.grad_dtype)
+    stack = replace(base, grad_dtype=config.parallel.grad_dtype)
+    return replace(stack, tp_host_s_per_layer=0.0) if compiles(config, device_type) else stack

@@ -83,7 +83,7 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
         gpu = known.name
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = make_cluster(gpu, world, gpus_per_node=per_node, profile=profile)
-    cluster = dataclasses.replace(cluster, stack=run_stack(cluster.stack, cfg))
+    cluster = dataclasses.replace(cluster, stack=run_stack(cluster.stack, cfg, device.type))
     model, shape = plan_inputs(cfg, manifest, "run", device)
     p = predict(model, cluster, shape, Layout.from_config(cfg, world))
     comm = sum(p.shares[k] for k in ("tp_comm", "pp_comm", "dp_comm"))

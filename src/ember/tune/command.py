@@ -49,6 +49,8 @@ def _check_args(args) -> None:
 
 def plan_trials(args):
     """Everything before running: the recipe, data, cluster, ranked layouts and the trials."""
+    import torch
+
     from ember.config import load_config
     from ember.data import load_manifest
     from ember.plan.search import search
@@ -59,7 +61,8 @@ def plan_trials(args):
     config = load_config(args.config, args.set)
     manifest = load_manifest(Path(args.data))
     cluster = local_cluster(args.nproc, args.profile)
-    cluster = replace(cluster, stack=run_stack(cluster.stack, config))  # the gradients the trials reduce
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    cluster = replace(cluster, stack=run_stack(cluster.stack, config, device_type))  # as the trials will run
     model, shape = plan_inputs(config, manifest, Path(args.config).stem)
     result = search(model, cluster, shape)
     if not result.ranked:
