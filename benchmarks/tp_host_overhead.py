@@ -11,7 +11,7 @@ redistribution logic, the wrapper tensors) costs the host more than a plain op; 
 block traces it away. This measures that extra, per block pass, as
     split block - plain block - collectives x (time of one small all-reduce),
 with the collectives counted as they reach the dispatcher (functional c10d ops); the
-measurement is ember.plan.host_cost's, which `ember plan calibrate` also runs. It is a CPU
+measurement is ember.tune.host_cost's, which `ember plan calibrate` also runs. It is a CPU
 figure when run here: say so wherever it is quoted.
 Writes benchmarks/results/<date>-tp-host-overhead.txt.
 """
@@ -32,7 +32,7 @@ def worker(iters: int) -> str | None:
     import torch
     import torch.distributed as dist
 
-    from ember.plan.host_cost import split_block_host
+    from ember.tune.host_cost import split_block_host
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -44,6 +44,12 @@ def _print_summary(s: dict) -> None:
     print("\n".join(lines))
 
 
+def _measure_tp_block(device, iters: int) -> dict:
+    from ember.tune.host_cost import split_block_host
+
+    return split_block_host(device, iters)
+
+
 def _cmd_report(args) -> int:
     from ember.report import plot, summary_text
 
@@ -81,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(verbs)
     register_eval(verbs)
     register_export(verbs)
-    register_plan(verbs)
+    register_plan(verbs, measure_tp_block=_measure_tp_block)
     register_tune(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")

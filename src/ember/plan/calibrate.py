@@ -17,7 +17,7 @@ What it measures:
   LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
   ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
 - under torchrun on one node: the host time an eager tensor-parallel block adds beyond its
-  collectives (plan/host_cost.py), into the stack's `tp_host_s_per_layer`.
+  collectives (tune/host_cost.py), into the stack's `tp_host_s_per_layer`.
 
 Run alone it measures one process and leaves the links at the device's defaults.
 """
@@ -300,8 +300,10 @@ def _collective_sections(device: torch.device, quick: bool, world: int, local_wo
     return out
 
 
-def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict | None:
-    """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0."""
+def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_tp_block=None) -> dict | None:
+    """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0.
+    `measure_tp_block(device, iters)`: the eager tensor-parallel block's host cost
+    (ember.tune.host_cost.split_block_host, which `ember plan calibrate` passes in)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if world > 1 and world % local_world:
@@ -327,10 +329,8 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False) -> dict 
         attention = measure_attention(device, torch_dtype, ATTENTION[(device.type, quick)], quick_min)
         collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
         tp_block = None
-        if world > 1 and world == local_world:  # a tensor-parallel group stays inside a node
-            from ember.plan.host_cost import split_block_host
-
-            tp_block = split_block_host(device, 50 if quick else 300)
+        if measure_tp_block is not None and world > 1 and world == local_world:  # tp stays in a node
+            tp_block = measure_tp_block(device, 50 if quick else 300)
         if dist.is_initialized() and dist.get_rank() != 0:
             return None
         # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).

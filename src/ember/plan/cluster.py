@@ -66,7 +66,7 @@ class Stack:
     # hooks). The GPU waits when a pass's kernels are too small to outlast it.
     host_s_per_kernel: float = 10e-6
     # Host time tensor parallelism adds to one layer's forward and backward beyond its
-    # kernels and collectives (eager DTensor dispatch; plan/host_cost.py measures it when
+    # kernels and collectives (eager DTensor dispatch; tune/host_cost.py measures it when
     # `ember plan calibrate` runs under torchrun). 0 where unmeasured.
     tp_host_s_per_layer: float = 0.0
     # Whether the host issues work while the device computes (a GPU), or shares its cores

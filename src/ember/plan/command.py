@@ -19,7 +19,10 @@ EPILOG = """examples:
   ember plan calibrate --out profile.json                       # measure this machine (or under torchrun)"""
 
 
-def register_plan(verbs) -> None:
+def register_plan(verbs, measure_tp_block=None) -> None:
+    """`measure_tp_block(device, iters) -> dict`: what eager tensor parallelism costs the host
+    per block (ember.tune.host_cost), given by the caller: measuring ember's own block is
+    above this package, which prices layouts from numbers alone."""
     plan = verbs.add_parser("plan", help="predict memory and step time of parallel layouts and rank them",
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--model", help="a recipe .toml or a preset (gpt3-175b, llama3-8b, ...)")
@@ -52,7 +55,7 @@ def register_plan(verbs) -> None:
     calibrate.add_argument("--dtype", choices=("bf16", "fp32"),
                            help="matmul precision (default bf16 on GPUs, fp32 on CPUs)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings")
-    calibrate.set_defaults(func=run_calibrate)
+    calibrate.set_defaults(func=run_calibrate, measure_tp_block=measure_tp_block)
 
 
 def _stack(args, base):
@@ -186,7 +189,7 @@ def run_calibrate(args) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
-    profile = calibrate(out, args.dtype, args.quick)
+    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_tp_block", None))
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0

@@ -7,8 +7,9 @@ mesh of every rank (eager DTensor), beside the collectives the split block issue
 Eager DTensor dispatch (sharding propagation, redistribution, the wrapper tensors) costs
 the host far more than a plain op. `ember plan calibrate` stores the figure as the stack's
 `tp_host_s_per_layer`, which the planner adds to every tensor-parallel layer's host time
-(plan/predict.py). A compiled block traces the dispatch away, so this prices eager runs.
-All ranks of the (initialised) default process group must call it.
+(plan/predict.py); ember's command line hands this function to it, since the planner's
+package does not import the model. A compiled block traces the dispatch away, so this
+prices eager runs. All ranks of the (initialised) default process group must call it.
 """
 
 from __future__ import annotations
