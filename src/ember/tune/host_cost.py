@@ -14,7 +14,6 @@ prices eager runs. All ranks of the (initialised) default process group must cal
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -44,14 +43,13 @@ def split_block_host(device: torch.device, iters: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ember.config import ModelConfig
+    from ember.device import synchronize
     from ember.model.layers import Block
     from ember.parallel.tensor import apply_tensor_parallel
 
     n = dist.get_world_size()
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    shape = dict(objective="causal", vocab_size=128, hidden=64 * n, layers=1, heads=2 * n, mlp_hidden=256 * n,
-                 max_seq_len=16)
-    cfg = ModelConfig(**{k: v for k, v in shape.items() if k in names})
+    cfg = ModelConfig(objective="causal", vocab_size=128, hidden=64 * n, layers=1, heads=2 * n, mlp_hidden=256 * n,
+                      max_seq_len=16)
 
     class OneBlock(nn.Module):  # the layout apply_tensor_parallel expects: blocks by name
         def __init__(self):
@@ -62,8 +60,7 @@ def split_block_host(device: torch.device, iters: int) -> dict:
             return self.blocks["0"](x)
 
     def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         dist.barrier()
 
     def seconds(fn) -> float:
@@ -76,8 +73,8 @@ def split_block_host(device: torch.device, iters: int) -> dict:
         sync()
         return (time.perf_counter() - start) / iters
 
+    torch.manual_seed(0)  # the same block and input on every rank, as tensor parallelism expects
     x = torch.randn(1, 16, cfg.hidden, device=device, requires_grad=True)
-    torch.manual_seed(0)
     plain, split = OneBlock().to(device), OneBlock().to(device)
     plain_s = seconds(lambda: plain(x).sum().backward())
     apply_tensor_parallel(split, init_device_mesh(device.type, (n,)), sequence_parallel=False)
