@@ -32,14 +32,14 @@ def worker(iters: int) -> str | None:
     import torch
     import torch.distributed as dist
 
+    from ember.process import end_process_group
     from ember.tune.host_cost import split_block_host
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     m = split_block_host(torch.device("cpu"), iters)
     rank = dist.get_rank()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
     if rank != 0:
         return None
     n = m["tp"]
@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
+        from ember.process import leave
+
         text = worker(args.iters)
         if text:
             print(text, end="")
-        return 0
+        leave(0)
     if args.nproc < 2 or args.iters < 1:
         print("tp_host_overhead: --nproc must be at least 2 and --iters at least 1.", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ember.config import ConfigError
+from ember.process import leave, under_torchrun
 
 
 def _cmd_train(args) -> int:
@@ -97,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run(argv)
+    if under_torchrun():
+        leave(code)  # without interpreter finalization, where gloo can abort a finished run
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from ember.data import DataError
 

@@ -13,6 +13,7 @@ from ember.config import load_config
 from ember.device import peak_memory_bytes, reset_peak_memory, resident_bytes
 from ember.model import Transformer
 from ember.parallel.mesh import init_distributed
+from ember.process import leave
 from ember.train.trainer import Trainer
 
 
@@ -34,6 +35,7 @@ def main() -> None:
     held = sum(p.to_local().numel() * 4 if hasattr(p, "to_local") else p.numel() * 4
                for part in trainer.engine.parts for p in part.parameters())
     (out / f"rank{trainer.rank}.json").write_text(json.dumps({"rise": rise, "whole": whole, "held": held}))
+    trainer.close()
 
 
 def _build_only(trainer: Trainer):
@@ -52,3 +54,4 @@ def _build_only(trainer: Trainer):
 
 if __name__ == "__main__":
     main()
+    leave(0)

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ember.config import ModelConfig
 from ember.model import Transformer
+from ember.process import end_process_group, leave
 
 HIDDEN, MLP_HIDDEN = 32, 48
 # Weight and concatenated-weight sizes; no activation of a [2, 12] batch has these counts.
@@ -52,8 +53,9 @@ def main(out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(records, f)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave(0)

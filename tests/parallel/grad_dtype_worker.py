@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ember.config import load_config
 from ember.parallel.dtensor import local_tensor
+from ember.process import end_process_group, leave
 from ember.train.trainer import Trainer
 
 
@@ -42,9 +43,9 @@ def main() -> None:
     results = [run_layout(data, out, spec, layout) for layout in spec["layouts"]]
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave(0)

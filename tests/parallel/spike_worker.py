@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ember.config import load_config
+from ember.process import leave
 from ember.train.trainer import Trainer
 
 
@@ -31,7 +32,9 @@ def main() -> None:
     trainer.train_step = train_step
     summary = trainer.run()
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"status": summary["status"], "calls": len(calls)}))
+    trainer.close()
 
 
 if __name__ == "__main__":
     main()
+    leave(0)

@@ -22,6 +22,7 @@ from ember.config import ModelConfig
 from ember.model import Transformer
 from ember.model.transformer import IGNORE
 from ember.parallel.tensor import apply_tensor_parallel, loss_parallel_context
+from ember.process import end_process_group, leave
 
 STEPS, BATCH, SEQ, CLIP = 3, 4, 8, 1.0
 
@@ -223,8 +224,9 @@ def main(out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({"cases": records, "grad_layouts": sorted(set(GRAD_LAYOUTS))}, f, indent=1)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave(0)

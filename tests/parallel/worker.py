@@ -11,6 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ember.config import load_config
+from ember.process import end_process_group, leave
 from ember.train.trainer import Trainer
 
 
@@ -70,9 +71,9 @@ def main() -> None:
             results.append(run_layout(data, out, spec, layout, objective))
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     main()
+    leave(0)

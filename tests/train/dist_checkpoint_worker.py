@@ -12,7 +12,6 @@ single-process test, must reproduce. Rank 0 records each check's outcome in
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig, OptimConfig
+from ember.process import end_process_group, leave
 from ember.model.transformer import Transformer
 from ember.train import checkpoint
 from ember.train.model_file import save_model
@@ -284,16 +284,10 @@ def main() -> None:
         (work / f"results_{launch}.json").write_text(json.dumps(merged, indent=1))
     # gather_object returns on a sender before rank 0 has received: tearing the group down
     # then can abort the send ("terminate called without an active exception").
-    dist.barrier()
-    gc.collect()  # models, optimizers and their pending work go while the group is alive
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
-    # Everything is written and the group is gone. Gloo's worker threads can still hold
-    # tensors that interpreter finalization then frees without the GIL, an abort after the
-    # work is done (pytorch/pytorch#190489); end the process before finalization.
-    sys.stdout.flush()
-    os._exit(0)
+    leave(0)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ember.atomic import write_text
 from ember.config import ConfigError
+from ember.process import end_process_group
 
 MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
 MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
@@ -343,8 +344,7 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         return profile
     finally:
         if started:
-            dist.barrier()
-            dist.destroy_process_group()
+            end_process_group()
 
 
 def summary_lines(profile: dict) -> list[str]:

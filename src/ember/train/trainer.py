@@ -321,12 +321,10 @@ class Trainer:
         first, so none tears it down while another still talks over it (PyTorch asks for
         destroy_process_group before exit; NCCL otherwise warns, and may leave a peer's
         last collective waiting)."""
-        import torch.distributed as dist
+        from ember.process import end_process_group
 
         self.release()
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        end_process_group()
 
     def layout(self) -> dict[str, int]:
         """The parallel degrees that decide which rank draws which random numbers; a

@@ -115,10 +115,11 @@ def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: 
     if trainer.world > 1:
         import torch.distributed as dist
 
+        from ember.process import end_process_group
+
         ranks = [None] * trainer.world
         dist.all_gather_object(ranks, mine)
-        dist.barrier()  # no rank tears the group down while another still talks to it
-        dist.destroy_process_group()
+        end_process_group()
     if trainer.rank != 0:
         return None
     step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does

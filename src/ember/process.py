@@ -1,0 +1,47 @@
+"""How a process that joined a process group leaves it.
+
+`end_process_group` makes every rank wait for the others, so none tears the group down while
+a peer still talks over it; collects what still holds communication state (models,
+optimizers, their pending work) while the group is alive; then destroys the group, as
+PyTorch asks before exit.
+
+`leave` then ends the process without interpreter finalization. Gloo's worker threads can
+still hold tensors after the group is gone, and finalization frees them without the GIL: the
+process aborts ("terminate called without an active exception", SIGABRT) after all its work
+is done, and torchrun reports the whole run as failed (pytorch/pytorch#179291 describes the
+race). Every ember command that ran under torchrun ends this way.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import NoReturn
+
+
+def end_process_group() -> None:
+    """Leave the default process group, if this process joined one; every rank must call it."""
+    import torch.distributed as dist  # here: `ember --help` does not wait for torch
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def leave(code: int) -> NoReturn:
+    """End the process now with exit status `code`, its output flushed. A command that
+    failed part way may not have ended its group: peers that did not fail would wait for it
+    at the barrier, so the group is left to die with the process."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
+            pass
+    os._exit(code)
