@@ -21,6 +21,7 @@ from ember.config import ModelConfig
 from ember.model import Transformer
 from ember.layout import Layout, available_schedules
 from ember.parallel.pipeline import PipelineEngine
+from ember.process import end_process_group, leave
 
 ROWS_PER_STEP = [8, 4, 8]  # sequences per step: the 4 exercises a second micro-batch count
 MICRO_BATCH, SEQ, VOCAB, LR, CLIP, TOL = 2, 16, 61, 1e-2, 0.5, 1e-5
@@ -229,7 +230,8 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
         errors.append(traceback.format_exc())
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"errors": errors, "done": done}, f)
-    dist.destroy_process_group()
+    end_process_group()
+    leave(0)  # before interpreter finalization, where gloo's threads can abort the process
 
 
 # ---- precision: stages under the trainer's bf16 autocast (CPU autocast supports bf16) ------
@@ -291,4 +293,5 @@ def precision_main(rank: int, world: int, port: int, out_dir: str) -> None:
         errors.append(traceback.format_exc())
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump({"errors": errors, "done": done}, f)
-    dist.destroy_process_group()
+    end_process_group()
+    leave(0)  # before interpreter finalization, where gloo's threads can abort the process
