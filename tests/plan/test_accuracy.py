@@ -63,7 +63,8 @@ def test_published_runs_more(accuracy):
     for part in ("fitted", "held_out"):
         s = result[part]
         assert s["rows"] >= 50
-        assert s["median"] <= 0.105 and abs(s["bias"]) <= 0.03 and s["max"] <= 0.40
+        # The targets: median within 10%, bias within 5%.
+        assert s["median"] <= 0.08 and abs(s["bias"]) <= 0.05 and s["max"] <= 0.32
 
 
 def test_vtrain_rankings(accuracy):

@@ -75,6 +75,9 @@ class Stack:
     # Share of the GPU table's matmul and attention rates this stack's kernels reach
     # (1.0 for ember, whose rates `ember plan calibrate` measures; fitted for the others).
     kernel_eff: float = 1.0
+    # Share of the GPU table's FlashAttention rate this stack's attention kernel reaches
+    # (a fused kernel only; unfused attention runs as matmuls at `kernel_eff`).
+    attention_eff: float = 1.0
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

@@ -146,8 +146,8 @@ def tp_collectives(lo: Layout) -> int:
 
 
 def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Work:
-    """`work` as `stack` runs it: its kernels at `kernel_eff` of the planner's rates, and the
-    pass no faster than the host can issue its `kernels` host calls.
+    """`work` as `stack` runs it: its matmuls at `kernel_eff` and its fused attention at
+    `attention_eff` of the planner's rates, and the pass no faster than the host can issue its `kernels` host calls.
 
     An eager framework issues kernels from Python while the GPU runs earlier ones. With an
     unbounded queue the pass would take max(host, GPU); it takes longer near the crossover,
@@ -157,8 +157,8 @@ def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Wor
     the larger term far from the crossover, √2 times it at the crossover for p = 2. Where
     the host shares its cores with the compute (a CPU: `stack.host_overlaps` false) the
     two add. `extra_host_s`: host work beyond the calls (eager tensor parallelism's)."""
-    if stack.kernel_eff != 1.0:
-        work = Work(work.matmul / stack.kernel_eff, work.attention / stack.kernel_eff, work.elementwise,
+    if stack.kernel_eff != 1.0 or stack.attention_eff != 1.0:
+        work = Work(work.matmul / stack.kernel_eff, work.attention / stack.attention_eff, work.elementwise,
                     work.tp_comm, work.launch)
     host, device = kernels * stack.host_s_per_kernel + extra_host_s, work.total
     if not stack.host_overlaps:

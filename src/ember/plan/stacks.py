@@ -17,12 +17,13 @@ naming what that software does, not tuning ember's own constants to it:
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch.
 
-Two figures per stack are fitted on the fitted rows of the public sets
+Three figures per stack are fitted on the fitted rows of the public sets
 (benchmarks/planner_fit.py; held-out rows never enter): `kernel_eff`, the share of the
-GPU table's matmul and attention rates the stack's kernels reach end to end, and
+GPU table's matmul rate the stack's kernels reach end to end; `attention_eff`, the share of
+the table's FlashAttention rate its fused attention kernel reaches (stacks with one); and
 `host_s_per_kernel`, the host time per call it issues (a kernel, or a tensor-parallel
-collective) that bounds small passes (plan/predict.py: _as_run). ember's
-are not fitted to other software: its kernel_eff is 1 (its rates are what `ember plan
+collective) that bounds small passes (plan/predict.py: _as_run). ember's are not fitted
+to other software: its kernel_eff and attention_eff are 1 (its rates are what `ember plan
 calibrate` measures) and its host time is that of eager PyTorch with fused blocks.
 """
 
@@ -33,7 +34,7 @@ from dataclasses import replace
 from ember.config import ConfigError
 from ember.plan.cluster import Stack
 
-# kernel_eff and host_s_per_kernel of megatron, deepspeed and fsdp: fitted
+# kernel_eff, attention_eff and host_s_per_kernel of every stack but ember's: fitted
 # (benchmarks/results/2026-11-25-planner-fit.txt). Megatron-LM's selective recomputation
 # (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
 # every other matmul besides the elementwise work, priced here as the attention core too
@@ -41,15 +42,16 @@ from ember.plan.cluster import Stack
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
-                      overlap_param_gather=False, host_s_per_kernel=65e-6, kernel_eff=0.975, selective="attention"),
+                      overlap_param_gather=False, host_s_per_kernel=70e-6, kernel_eff=0.975, attention_eff=0.9,
+                      selective="attention"),
     "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
                            overlap_param_gather=False, host_s_per_kernel=100e-6, kernel_eff=0.9,
                            selective="attention"),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
                        overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
                        kernel_eff=1.05, selective="attention"),
-    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=60e-6, kernel_eff=0.75,
-                  selective="attention"),
+    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
+                  attention_eff=0.55, selective="attention"),
 }
 
 
