@@ -2,12 +2,14 @@
 
     python benchmarks/planner_fit.py
 
-Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff`,
-`attention_eff` (stacks with a fused attention kernel) and `host_s_per_kernel` are chosen on a grid to minimise the median |log(predicted/measured)|
-of that stack's fitted rows; COMM_SLOWDOWN (plan/overlap.py) and HOST_OVERLAP_POWER
-(plan/predict.py) are shared by all stacks and chosen the same way over all fitted rows,
-each set weighted equally. Coordinate descent, until a round changes nothing (at most eight). Prints the values; they are copied by hand into plan/stacks.py and
-plan/overlap.py, with the output committed under benchmarks/results/.
+Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff` and
+`attention_eff` (stacks with a fused attention kernel) together, then `host_s_per_kernel`,
+are chosen on a grid to minimise the median |log(predicted/measured)| of that stack's
+fitted rows; COMM_SLOWDOWN (plan/overlap.py) and HOST_OVERLAP_POWER (plan/predict.py) are
+shared by all stacks and chosen the same way over all fitted rows, each set weighted
+equally. Coordinate descent, until a round changes nothing (at most eight). Prints the
+values; they are copied by hand into plan/stacks.py, plan/overlap.py and plan/predict.py,
+with the output committed under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def main() -> int:
     names = sorted({r.cluster.stack.name for r in runs})
     print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
     first = {n: next(r for r in runs if r.cluster.stack.name == n).cluster.stack for n in names}
-    values = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff, "host_s_per_kernel": s.host_s_per_kernel}
-              for n, s in first.items()}
+    values = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff,
+                  "host_s_per_kernel": s.host_s_per_kernel} for n, s in first.items()}
     for round_ in range(8):
         before = (repr(values), overlap.COMM_SLOWDOWN, predict.HOST_OVERLAP_POWER)
         for name in names:
@@ -84,7 +86,8 @@ def main() -> int:
             predict.HOST_OVERLAP_POWER = v
             powers.append((score(current), v))
         predict.HOST_OVERLAP_POWER = min(powers)[1]
-        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; HOST_OVERLAP_POWER {predict.HOST_OVERLAP_POWER}; "
+        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
+              f"HOST_OVERLAP_POWER {predict.HOST_OVERLAP_POWER}; "
               + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
                           f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us"
                           for n, v in values.items()) + f"; score {min(powers)[0]:.4f}", flush=True)

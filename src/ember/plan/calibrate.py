@@ -84,11 +84,9 @@ def measure_matmuls(device: torch.device, dtype: torch.dtype, sizes, min_time: f
     shapes = [(s, s, s) for s in sizes] + [(4 * sizes[-1], sizes[-1], sizes[-1] // 4 or 1)]
     out = []
     for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = _slowest(_timed(lambda: a @ b, device, min_time), device)
+        pair = (torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+        seconds = _slowest(_timed(lambda: pair[0] @ pair[1], device, min_time), device)
         out.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
-        del a, b
     return out
 
 

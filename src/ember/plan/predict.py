@@ -234,14 +234,15 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     tokens = shape.tokens
     per_gpu = tokens / step / cluster.n_gpus
     model_flops = model_flops_per_token(model, shape.seq_len, model.predicted_fraction)
-    hw_flops = model_flops + (recompute_flops_per_token(model, shape.seq_len, cluster.stack.recompute_policy(lo.recompute))
-                              * lo.recomputed_fraction(model.layers))
+    rerun = recompute_flops_per_token(model, shape.seq_len, cluster.stack.recompute_policy(lo.recompute))
+    hw_flops = model_flops + rerun * lo.recomputed_fraction(model.layers)
     shares = {"compute": m * work.compute / step, "tp_comm": m * work.tp_comm / step,
               "pp_comm": m * p2p / step, "dp_comm": (dp_exposed + m * zero3) / step,
               "bubble": bubble / step, "optimizer": optimizer / step}
     detail = {"micro_batches": m, "slowest_stage": slowest, "stage_imbalance": m * (t_max - mean) / step,
               "matmul_s": m * work.matmul, "attention_s": m * work.attention,
-              "elementwise_s": m * work.elementwise, "launch_s": m * work.launch, "recompute_s": m * _recompute_s(model, cluster, shape, lo),
+              "elementwise_s": m * work.elementwise, "launch_s": m * work.launch,
+              "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention)
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
