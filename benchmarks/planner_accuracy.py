@@ -7,7 +7,10 @@ for its fitted and held-out rows separately: the number of rows, the median and 
 |error| of tokens/s per GPU, the bias (signed median error; positive = optimistic), the
 Spearman rank correlation of layouts within each (model, cluster, batch) group of at least
 three layouts (median over groups, and the share at 0.8 or better), and in how many groups
-of at least two layouts the measured best is in the planner's top three. Held out: whole
+of at least two layouts the measured best is in the planner's top three, and in how many it
+is among the layouts whose interval overlaps the predicted best's (the set `ember plan`
+says it cannot order and `ember tune` should measure), with that set's median share of
+its group. Held out: whole
 groups with crc32(group) % 3 == 0, never used by benchmarks/planner_fit.py. Also the
 interval table (plan/uncertainty.py), the share of rows inside their interval, and the
 GPT-3 175B ZeRO-3 scaling check. Writes benchmarks/results/<date>-planner-accuracy.txt.
@@ -29,6 +32,7 @@ import planner_sets
 from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
+from ember.plan.report import overlaps
 from ember.plan.search import search
 from ember.plan.stacks import stack
 from ember.plan.uncertainty import kind
@@ -80,7 +84,7 @@ def summarise(records: list[dict]) -> dict:
     for r in records:
         if r["error"] is not None:
             groups.setdefault(r["run"].group, []).append(r)
-    rhos, top3, ranked_groups = [], 0, 0
+    rhos, top3, ranked_groups, in_ties, tie_shares = [], 0, 0, 0, []
     for members in groups.values():
         # Distinct layouts only: the same layout measured twice (compile on/off) is one point.
         distinct = {r["prediction"].layout: r for r in sorted(members, key=lambda r: r["run"].measured)}
@@ -91,6 +95,10 @@ def summarise(records: list[dict]) -> dict:
         order = sorted(members, key=lambda r: -r["prediction"].tokens_per_s_per_gpu)
         best = max(members, key=lambda r: r["run"].measured)
         top3 += best in order[:3]
+        lead = order[0]["prediction"].interval
+        ties = [r for r in order if r is order[0] or overlaps(lead, r["prediction"].interval)]
+        in_ties += best in ties
+        tie_shares.append(len(ties) / len(members))
         if len(members) >= 3:
             rhos.append(spearman([r["run"].measured for r in members],
                                  [r["prediction"].tokens_per_s_per_gpu for r in members]))
@@ -100,7 +108,8 @@ def summarise(records: list[dict]) -> dict:
             "max": max(abs(e) for e in errors), "bias": statistics.median(errors),
             "rho_groups": len(rhos), "rho_median": statistics.median(rhos) if rhos else None,
             "rho_min": min(rhos) if rhos else None, "rho_ok": sum(r >= 0.8 for r in rhos),
-            "top3": top3, "ranked_groups": ranked_groups,
+            "top3": top3, "ranked_groups": ranked_groups, "in_ties": in_ties,
+            "tie_share": statistics.median(tie_shares) if tie_shares else None,
             "inside": sum(bool(r["inside"]) for r in records if r["error"] is not None)}
 
 
@@ -144,8 +153,10 @@ def fmt(s: dict) -> str:
     rho = (f"Spearman median {s['rho_median']:.2f} (min {s['rho_min']:.2f}; {s['rho_ok']}/{s['rho_groups']} "
            f"groups >= 0.8)" if s["rho_groups"] else "no group of 3+ layouts")
     return (f"{s['rows']:>5} rows  median |err| {100 * s['median']:5.1f}%  max {100 * s['max']:5.1f}%  "
-            f"bias {100 * s['bias']:+5.1f}%  {rho}; best in top 3: {s['top3']}/{s['ranked_groups']} groups; "
-            f"inside interval {s['inside']}/{s['rows']}")
+            f"bias {100 * s['bias']:+5.1f}%  {rho}; best in top 3: {s['top3']}/{s['ranked_groups']} groups"
+            + (f", among the best's ties: {s['in_ties']}/{s['ranked_groups']} (median {s['tie_share']:.0%} of a "
+               "group)" if s["ranked_groups"] else "")
+            + f"; inside interval {s['inside']}/{s['rows']}")
 
 
 def report(results: list[dict], seconds: float) -> str:

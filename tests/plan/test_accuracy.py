@@ -76,3 +76,6 @@ def test_vtrain_rankings(accuracy):
         assert s["median"] <= 0.06 and abs(s["bias"]) <= 0.03 and s["max"] <= 0.52
         assert s["rho_median"] >= 0.95 and s["rho_ok"] >= 0.95 * s["rho_groups"]
         assert s["top3"] >= 0.9 * s["ranked_groups"]
+        # Where the top three miss it, the measured best is still among the layouts the
+        # planner says it cannot order (its interval overlaps the best's): `ember tune` finds it.
+        assert s["in_ties"] == s["ranked_groups"] and s["tie_share"] <= 0.6
