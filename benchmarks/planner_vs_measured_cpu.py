@@ -69,8 +69,12 @@ def calibrate_command(profile: Path) -> list[str]:
 
 def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
     """The profile of a rank when `nproc` processes share `cores` cores: every rate the
-    calibration measured (matmul, memory copy, collectives) divided among them. With one
-    thread per process, a rank is one core when nproc <= cores."""
+    calibration measured (matmul, memory copy, collectives) divided among them, and the
+    host's dispatch (per kernel, and eager tensor parallelism's per layer) as much slower,
+    since it runs on the same cores. With one thread per process, a rank is one core when
+    nproc <= cores."""
+    from ember.plan.stacks import STACKS
+
     if nproc <= cores:
         return profile
     share = cores / nproc
@@ -81,7 +85,11 @@ def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
     for key in ("intra_gbps", "inter_gbps"):
         if key in data["links"]:
             data["links"][key] *= share
-    data["source"] += f"; {nproc} processes on {cores} cores: rates x {share:g}"
+    stack = data.setdefault("stack", {})
+    stack["host_s_per_kernel"] = stack.get("host_s_per_kernel", STACKS["ember"].host_s_per_kernel) / share
+    if "tp_host_s_per_layer" in stack:
+        stack["tp_host_s_per_layer"] /= share
+    data["source"] += f"; {nproc} processes on {cores} cores: rates x {share:g}, host times / {share:g}"
     out = profile.with_name(f"{profile.stem}-{nproc}procs.json")
     out.write_text(json.dumps(data, indent=1))
     return out
