@@ -111,12 +111,16 @@ def recompute_flops_per_token(cfg: ModelShape, seq_len: int, policy: str) -> flo
     between hardware and model FLOPs). `full` reruns every block's forward pass; ember's
     `selective` keeps every matmul and the attention kernel's output and reruns only
     elementwise work (no FLOPs counted); `selective-attention` (Megatron-LM, Korthikanti et
-    al. 2022) reruns the attention core, softmax(Q·Kᵀ)·V; `none` adds 0."""
+    al. 2022) reruns the attention core, softmax(Q·Kᵀ)·V; `selective-half-matmul`
+    (torchtitan's op-level policy) keeps the attention kernel's output and every other
+    matmul's, and reruns the rest: about half the blocks' matmul FLOPs; `none` adds 0."""
     attention_core = 4.0 * cfg.layers * cfg.hidden * seq_len
     if policy == "full":
         return 2.0 * matmul_params(cfg)["layers"] + attention_core
     if policy == "selective-attention":
         return attention_core
+    if policy == "selective-half-matmul":
+        return matmul_params(cfg)["layers"]
     if policy in ("selective", "none"):
         return 0.0
     raise ValueError(f"recompute policy must be none, selective or full, not {policy!r}.")

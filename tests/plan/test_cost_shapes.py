@@ -33,6 +33,11 @@ def test_recompute_flops_match_megatrons_hardware_formula():
     assert hardware == pytest.approx(96 * l * h * h + 16 * l * h * s + 6 * v * h, rel=1e-12)
     assert recompute_flops_per_token(gpt, s, "selective-attention") == 4 * l * h * s  # Megatron-LM's
     assert recompute_flops_per_token(gpt, s, "selective") == 0.0  # ember's reruns no matmul
+    # torchtitan's op-level policy reruns every other matmul of the blocks, not their attention:
+    # half of what full recomputation reruns beyond the attention core, 12·l·h² of its 24·l·h².
+    full_matmuls = recompute_flops_per_token(gpt, s, "full") - 4 * l * h * s
+    assert full_matmuls == pytest.approx(24 * l * h * h, rel=1e-3)
+    assert recompute_flops_per_token(gpt, s, "selective-half-matmul") == pytest.approx(full_matmuls / 2, rel=1e-12)
     assert recompute_flops_per_token(gpt, s, "none") == 0
     with pytest.raises(ValueError):
         recompute_flops_per_token(gpt, s, "most")

@@ -198,3 +198,15 @@ def test_eager_tensor_parallelism_adds_its_measured_host_time():
     assert run_stack(measured.stack, recipe, "cpu").tp_host_s_per_layer == 0.0
     eager = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=false"])
     assert run_stack(measured.stack, eager, "cpu").tp_host_s_per_layer == 6e-3
+
+
+def test_each_stack_reruns_what_its_selective_recomputation_reruns():
+    assert stack("ember").recompute_policy("selective") == "selective"
+    assert stack("megatron").recompute_policy("selective") == "selective-attention"
+    assert stack("fsdp").recompute_policy("selective") == "selective-half-matmul"  # torchtitan's op policy
+    assert stack("fsdp").recompute_policy("full") == "full"
+    rerun = {policy: layer_times(LLAMA, A100, LINKS, 4096, 1, 1, False, policy, "flash").recompute
+             for policy in ("selective", "selective-half-matmul", "full")}
+    assert rerun["selective"].matmul == 0 and rerun["selective"].attention == 0
+    assert rerun["selective-half-matmul"].matmul == pytest.approx(rerun["full"].matmul / 2)
+    assert rerun["selective-half-matmul"].attention == 0 < rerun["full"].attention

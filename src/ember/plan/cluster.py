@@ -49,9 +49,11 @@ class Stack:
     the last micro-batch (DDP/FSDP buckets); `overlap_param_gather`: ZeRO-1/2 parameter
     gathers after the optimizer step and ZeRO-3 gathers run ahead of the compute that needs
     them (prefetch). `selective`: what selective recomputation reruns: "elementwise"
-    (ember, torchtitan: matmuls, the attention kernel and collectives are kept, norms and
-    activations rerun) or "attention" (Megatron-LM, Korthikanti et al.: the attention core
-    is rerun). Named stacks (`--stack`, plan/stacks.py) set all of these at once."""
+    (ember: matmuls, the attention kernel and collectives are kept, norms and activations
+    rerun), "attention" (Megatron-LM, Korthikanti et al.: the attention core is rerun) or
+    "half-matmul" (torchtitan's op-level policy: the attention kernel's output and every
+    other matmul's are kept, the rest reruns). Named stacks (`--stack`, plan/stacks.py) set
+    all of these at once."""
 
     attention: str = "flash"
     grad_dtype: str = "bf16"
@@ -81,7 +83,9 @@ class Stack:
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""
-        return "selective-attention" if recompute == "selective" and self.selective == "attention" else recompute
+        if recompute != "selective" or self.selective == "elementwise":
+            return recompute
+        return {"attention": "selective-attention", "half-matmul": "selective-half-matmul"}[self.selective]
 
     @property
     def grad_bytes(self) -> int:

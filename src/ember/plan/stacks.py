@@ -15,7 +15,8 @@ naming what that software does, not tuning ember's own constants to it:
   bucketing overlap, ZeRO-3 fetching each parameter-holding sub-module with its own
   collective (four weights and two norms per block) and without reliable prefetch.
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
-  reduced in fp32 (mixed-precision default), per-block gathers with prefetch.
+  reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
+  recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
 
 Three figures per stack are fitted on the fitted rows of the public sets
 (benchmarks/planner_fit.py; held-out rows never enter): `kernel_eff`, the share of the
@@ -37,8 +38,9 @@ from ember.plan.cluster import Stack
 # kernel_eff, attention_eff and host_s_per_kernel of every stack but ember's: fitted
 # (benchmarks/results/2026-11-25-planner-fit.txt). Megatron-LM's selective recomputation
 # (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
-# every other matmul besides the elementwise work, priced here as the attention core too
-# (what the fit assumed); ember's reruns only elementwise work.
+# every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
+# on odd counts within a block, attention and reduce-scatter outputs always) and the
+# elementwise work; ember's reruns only the elementwise work.
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
@@ -51,7 +53,7 @@ STACKS: dict[str, Stack] = {
                        overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
                        kernel_eff=1.05, selective="attention"),
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
-                  attention_eff=0.55, selective="attention"),
+                  attention_eff=0.55, selective="half-matmul"),
 }
 
 

@@ -190,6 +190,8 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
+    elif recompute == "selective-half-matmul":  # every other matmul, and the elementwise forward
+        again = Work(matmul=fwd_mm / 2, elementwise=elem_fwd, launch=(kernels - core_kernels) * KERNEL_S)
     elif recompute == "selective-attention":
         again = core_fwd + Work(launch=core_kernels * KERNEL_S)
     elif recompute == "selective":  # norms, activations, rotary: the elementwise forward
