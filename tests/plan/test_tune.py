@@ -2,6 +2,7 @@
 recipe it writes, its mistakes, and real trials of a tiny model under torchrun on CPU."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -176,6 +177,7 @@ def test_tune_runs_two_trials_and_writes_the_fastest(nproc, recipe, dataset, tmp
     report = json.loads((out / "tune.json").read_text())
     trials = report["trials"]
     assert len(trials) == 2 and [t["status"] for t in trials] == ["finished", "finished"], trials
+    assert report["within_interval_of_best"] >= 1  # the best is within its own interval
     for t in trials:
         assert t["measured"]["tokens_per_s"] > 0 and t["measured"]["steps"] == 2
         assert t["measured"]["peak_memory_gib"] > 0 and t["predicted"]["tokens_per_s"] > 0
@@ -205,6 +207,9 @@ def test_dry_run_prints_commands_and_runs_nothing(recipe, dataset, tmp_path, cap
     printed = capsys.readouterr().out
     assert printed.count("torch.distributed.run --standalone --nproc-per-node=1 -m ember train") == 2
     assert not out.exists()
+    # More than two layouts are too close to order: the user is told how many to measure.
+    close = int(re.search(r"note: (\d+) layouts lie within the best's predicted interval", printed).group(1))
+    assert close > 2 and f"--top {close} measures them all" in printed
 
 
 def test_repo_recipes_plan_with_the_data_vocabulary():

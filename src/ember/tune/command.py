@@ -87,7 +87,7 @@ def plan_trials(args):
 def run_tune(args) -> int:
     import torch
 
-    from ember.plan.report import print_text
+    from ember.plan.report import print_text, ties
     from ember.atomic import write_text
     from ember.tune.trials import best_recipe, run_trial
 
@@ -98,6 +98,10 @@ def run_tune(args) -> int:
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
                         f"{len(result.ranked):,} of {result.considered:,} layouts fit; "
                         f"trying the top {len(trials)}{skipped}")
+    close = ties(result.ranked)
+    if close > len(trials):  # on the public runs, the measured best was always among these
+        print_text(console, f"note: {close} layouts lie within the best's predicted interval, so the planner "
+                            f"cannot order them; --top {close} measures them all.")
     if args.dry_run:
         for t in trials:
             print_text(console, f"trial {t.index}: {t.prediction.layout.text()}\n  " + shlex.join(t.command))
@@ -115,7 +119,8 @@ def run_tune(args) -> int:
     report = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
               "shape": {"seq_len": shape.seq_len, "global_batch": shape.global_batch},
               "steps": args.steps, "warmup": args.warmup, "layouts_fitting": len(result.ranked),
-              "passed_over": passed, "trials": [t.to_dict(cluster.n_gpus) for t in trials], "best": None}
+              "passed_over": passed, "within_interval_of_best": close,
+              "trials": [t.to_dict(cluster.n_gpus) for t in trials], "best": None}
     if finished:
         best = finished[0]
         write_text(out / "best.toml", f"# ember tune: {best.prediction.layout.text()}, "
