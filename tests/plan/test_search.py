@@ -23,3 +23,16 @@ def test_small_model_prefers_plain_data_parallelism():
     result = search(PRESETS["gpt2-small"], make_cluster("A100-80GB", 8), TrainShape(1024, 256))
     best = result.best.layout
     assert (best.tp, best.pp, best.dp) == (1, 1, 8)
+
+
+def test_interleaved_schedules_are_searched_when_stages_do_not_divide_the_layers():
+    """Llama 3 405B's 126 layers divide by no power-of-two pipeline but 2, yet the layout that
+    trains it (tp 8, pp 16, interleaved) is the kind that wins: without uneven virtual stages
+    the search could only offer 1F1B, whose bubble at pp >= 16 is near half the step."""
+    model = PRESETS["llama3-405b"]
+    result = search(model, make_cluster("H100", 16384), TrainShape(8192, 2048), fixed={"tp": 8, "pp": 16})
+    interleaved = [p for p in result.ranked if p.layout.schedule == "interleaved"]
+    assert interleaved and all(model.layers % p.layout.stages for p in interleaved)
+    assert result.best.layout.schedule == "interleaved"
+    best_1f1b = min(p.step_time_s for p in result.ranked if p.layout.schedule == "1f1b")
+    assert result.best.step_time_s < 0.85 * best_1f1b

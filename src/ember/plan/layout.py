@@ -101,7 +101,8 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
                ember_only: bool = True) -> list[Layout]:
     """Every legal layout the search considers: tp within a node, every pp, ZeRO 0-3 sharded
     over all data-parallel ranks or within a node (hybrid), micro-batches in powers of two up to `max_mbs`,
-    and all schedules and checkpointing policies. `fixed` pins fields (e.g. tp, pp, dp);
+    and all schedules (interleaved in equal chunks where the stages divide the layers, else in
+    balanced unequal ones) and checkpointing policies. `fixed` pins fields (e.g. tp, pp, dp);
     `ember_only` keeps the layouts ember's trainer runs (`ember.layout.problems(ember=True)`)."""
     fixed = fixed or {}
     out = []
@@ -116,9 +117,14 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
                 continue
             shards = sorted(({dp} | {d for d in divisors(dp) if d * tp <= gpus_per_node}) - {1})
             data = [(0, 1, dp)] + [(zero, s, dp // s) for zero in (1, 2, 3) for s in shards]
-            schedules = [("1f1b", 1)] + ([("gpipe", 1)] + [
-                ("interleaved", v) for v in divisors(model.layers // pp) if 2 <= v <= max_vpp
-                and model.layers % pp == 0] if pp > 1 else [])
+            # Interleaving cuts each rank's layers into vpp chunks. When pp divides the layers,
+            # equal chunks exist and are the ones offered: unequal chunks on one rank stall the
+            # schedule in a way the pipeline formula (per-rank totals) does not see. When it
+            # does not (Llama 3 405B: 126 layers on 16 stages), any vpp is offered, balanced.
+            even = model.layers % pp == 0
+            vpps = [v for v in range(2, max_vpp + 1)
+                    if pp * v <= model.layers and (not even or (model.layers // pp) % v == 0)]
+            schedules = [("1f1b", 1)] + ([("gpipe", 1)] + [("interleaved", v) for v in vpps] if pp > 1 else [])
             micro = [2**i for i in range(10) if 2**i <= max_mbs and (shape.global_batch // dp) % 2**i == 0]
             seq_parallel = (False, True) if tp > 1 else (False,)
             for (zero, shard, rep), mbs, (schedule, vpp), sp, recompute in itertools.product(
