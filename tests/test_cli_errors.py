@@ -33,6 +33,8 @@ def _train(dataset, tmp_path, *extra):
     (["--set", "train.eval_batches=0"], "train.eval_batches must be"),
     (["--set", "train.keep_checkpoints=-1"], "train.keep_checkpoints must be"),
     (["--set", "model.hidden=inf"], "model.hidden must be a whole number"),
+    (["--set", "model.kv_heads=3"], "model.kv_heads must be 0 (one per query head) or a divisor of model.heads (2), "
+                                    "not 3."),
     (["--set", "train.micro_batch=1e400"], "train.micro_batch must be a whole number"),
     (["--set", "model.norm_eps=0"], "model.norm_eps must be"),
     (["--set", "model.init_std=-0.02"], "model.init_std must be"),

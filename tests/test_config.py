@@ -17,6 +17,9 @@ def test_recipe_then_overrides(tmp_path):
     ("model.layers=two", "must be a whole number"),
     ("model.activation=relu", "must be one of"),
     ("model.heads=5", "divisible"),
+    ("model.kv_heads=5", r"model.kv_heads must be 0 \(one per query head\) or a divisor of model.heads \(12\), not 5"),
+    ("model.kv_heads=24", "or a divisor of model.heads"),
+    ("model.kv_heads=-4", "or a divisor of model.heads"),
     ("train.global_batch=10", "multiple of"),
     ("train.budget=forever", "not understood"),
     ("train.eval_every=1e6tok", "steps"),
@@ -26,6 +29,12 @@ def test_mistakes_are_one_clear_sentence(override, words):
     with pytest.raises(ConfigError, match=words) as err:
         load_config(None, [override])
     assert "\n" not in str(err.value)
+
+
+def test_kv_heads_divide_the_query_heads():
+    assert load_config(None, ["model.kv_heads=4"]).model.kv_heads == 4
+    assert load_config(None, ["model.kv_heads=12"]).model.kv_heads == 12
+    assert load_config(None).model.kv_heads == 0  # one per query head
 
 
 def test_bad_toml_and_missing_file(tmp_path):

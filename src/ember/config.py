@@ -29,6 +29,7 @@ class ModelConfig:
     hidden: int = 768
     layers: int = 12
     heads: int = 12
+    kv_heads: int = 0  # key/value heads, each shared by heads / kv_heads query heads (GQA); 0 = heads
     mlp_hidden: int = 3072
     activation: str = "gelu"  # gelu, geglu, swiglu
     norm: str = "layernorm"  # layernorm, rmsnorm
@@ -289,6 +290,9 @@ def validate(config: Config) -> None:
     m, t = config.model, config.train
     if m.hidden % m.heads:
         raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads}).")
+    if m.kv_heads < 0 or (m.kv_heads and m.heads % m.kv_heads):
+        raise ConfigError(f"model.kv_heads must be 0 (one per query head) or a divisor of model.heads "
+                          f"({m.heads}), not {m.kv_heads}.")
     if m.positions == "rotary" and (m.hidden // m.heads) % 2:
         raise ConfigError("rotary positions need an even head size (model.hidden / model.heads).")
     if m.vocab_size < 0:

@@ -21,9 +21,8 @@ softmax, the loss, and recomputation (that is hardware FLOPs, not model FLOPs);
 `recompute_flops_per_token` adds the last for hardware-FLOPs utilisation.
 
 The functions take a `ModelConfig` or anything with the same shape fields (the planner's
-`ModelSpec`). A shape with `kv_heads` below `heads` (grouped-query attention, which
-`ModelConfig` cannot express) has smaller key and value projections: 2h² + 2·h·h_kv
-attention weights, h_kv = h·kv_heads/heads.
+`ModelSpec`). A shape with `kv_heads` below `heads` (grouped-query attention) has smaller
+key and value projections: 2h² + 2·h·h_kv attention weights, h_kv = h·kv_heads/heads.
 """
 
 from __future__ import annotations
@@ -32,11 +31,12 @@ from typing import Protocol
 
 
 class ModelShape(Protocol):
-    """What the cost model reads of a model: `ModelConfig` has all of it but `kv_heads`."""
+    """What the cost model reads of a model (`ModelConfig`, `ModelSpec`)."""
 
     hidden: int
     layers: int
     heads: int
+    kv_heads: int  # 0 = heads
     mlp_hidden: int
     activation: str
 
@@ -46,7 +46,7 @@ class ModelShape(Protocol):
 
 def kv_hidden(cfg: ModelShape) -> int:
     """Width of the key (and of the value) projection: `hidden` unless heads are grouped."""
-    return cfg.hidden * getattr(cfg, "kv_heads", cfg.heads) // cfg.heads
+    return cfg.hidden * (cfg.kv_heads or cfg.heads) // cfg.heads
 
 
 def gated(cfg: ModelShape) -> bool:

@@ -42,6 +42,7 @@ def make_run(folder, overrides):
 @pytest.mark.parametrize("overrides, architecture", [
     (LLAMA + ["model.tie_embeddings=false", "model.rope_theta=500", "model.norm_eps=1e-6"], "LlamaForCausalLM"),
     (LLAMA + ["model.bias=true"], "LlamaForCausalLM"),
+    (LLAMA + ["model.kv_heads=2", "model.tie_embeddings=false"], "LlamaForCausalLM"),  # grouped-query attention
     (GPT2 + ["model.bias=true"], "GPT2LMHeadModel"),
     (GPT2 + ["model.bias=false", "model.tie_embeddings=false"], "GPT2LMHeadModel"),
 ])
@@ -54,6 +55,8 @@ def test_exported_model_computes_embers_logits(tmp_path, overrides, architecture
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     assert type(hf).__name__ == architecture
     assert hf.config.vocab_size == ours.cfg.padded_vocab  # exported padded
+    if architecture == "LlamaForCausalLM":
+        assert hf.config.num_key_value_heads == (ours.cfg.kv_heads or ours.cfg.heads)
     ids = torch.randint(0, tok.get_vocab_size(), (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
@@ -70,6 +73,9 @@ def test_unmappable_causal_models_are_refused(tmp_path, capsys):
     assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "LlamaForCausalLM needs model.norm=rmsnorm (this run has layernorm)" in err and err.count("\n") == 1
+    make_run(tmp_path / "gqa", GPT2 + ["model.kv_heads=2"])
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "gqa"), "--out", str(tmp_path / "hf")]) == 2
+    assert "GPT2LMHeadModel needs model.kv_heads=0 (this run has 2)" in capsys.readouterr().err
 
 
 def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
@@ -87,10 +93,12 @@ MLM_CASES = [
     ["model.objective=mlm", "model.activation=gelu", "model.positions=learned", "model.bias=true",
      "model.tie_embeddings=false"],
     ["model.objective=mlm", "model.activation=swiglu", "model.positions=rotary", "model.norm=rmsnorm"],
+    ["model.objective=mlm", "model.activation=swiglu", "model.positions=rotary", "model.norm=rmsnorm",
+     "model.kv_heads=2", "model.bias=true"],
 ]
 
 
-@pytest.mark.parametrize("overrides", MLM_CASES, ids=["cramming", "learned-gelu-bias", "rotary-swiglu"])
+@pytest.mark.parametrize("overrides", MLM_CASES, ids=["cramming", "learned-gelu-bias", "rotary-swiglu", "gqa"])
 def test_exported_masked_lm_computes_embers_logits_and_fine_tunes(tmp_path, overrides, capsys):
     transformers = pytest.importorskip("transformers")
     ours, tok = make_run(tmp_path / "run", overrides)

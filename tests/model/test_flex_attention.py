@@ -1,5 +1,6 @@
 """Document masks through FlexAttention compute what the dense-mask SDPA path computes:
-the same pairs allowed, the same outputs and gradients (fp32, CPU).
+the same pairs allowed, the same outputs and gradients (fp32, CPU), grouped-query attention
+included.
 
 PyTorch refuses FlexAttention's backward on CPUs, but its eager path there is a reference
 implementation of the same math in plain tensor operations, backward included; the
@@ -13,6 +14,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask
 from ember.config import ConfigError, ModelConfig, load_config
 from ember.model import Transformer
 from ember.model.layers import attention_mask
+from test_gqa import gqa_gradients, grouped_and_repeated, outputs_and_gradients, tiny
 
 SEQ = 150  # more than one 128-token block, and not a multiple of it
 
@@ -106,3 +108,15 @@ def test_flex_with_dropout_is_refused():
         load_config(None, ["model.dropout=0.1", "model.document_kernel=flex"])
     with pytest.raises(ConfigError, match="model.document_kernel must be one of"):
         load_config(None, ["model.document_kernel=varlen"])
+
+
+@pytest.mark.parametrize("objective", ["causal", "mlm"])
+def test_grouped_query_attention_equals_repeated_heads(objective, reference_backward):
+    gqa, mha = grouped_and_repeated(tiny(objective=objective, max_seq_len=SEQ, document_kernel="flex"))
+    ids, docs = torch.randint(5, 97, (2, SEQ), generator=torch.Generator().manual_seed(3)), documents()
+    masks = {"document_ids": docs, "key_padding_mask": padding() if objective == "mlm" else None}
+    got, want = outputs_and_gradients(gqa, ids, **masks), outputs_and_gradients(mha, ids, **masks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want_grads = gqa_gradients(mha)
+    for name, p in gqa.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -38,6 +38,10 @@ CASES = {
                                       tie_embeddings=True, norm="rmsnorm"),
     "causal-learned-gelu-untied-bias": dict(objective="causal", positions="learned", activation="gelu",
                                             tie_embeddings=False, bias=True),
+    # Grouped-query attention: each rank holds 2 of the 4 query heads and the 1 of the 2
+    # key/value heads they read.
+    "causal-gqa-rotary-swiglu-bias": dict(objective="causal", positions="rotary", activation="swiglu",
+                                          tie_embeddings=True, norm="rmsnorm", bias=True, kv_heads=2),
 }
 
 

@@ -14,7 +14,8 @@ from ember.layout import Layout, problems
 
 WORKER = Path(__file__).with_name("tensor_worker.py")
 CONFIGS = ["mlm-learned-gelu-tied-bias", "mlm-rotary-swiglu-untied", "mlm-dense-sinusoidal-geglu-tied",
-           "causal-rotary-swiglu-tied", "causal-learned-gelu-untied-bias", "stages-mlm-learned-swiglu"]
+           "causal-rotary-swiglu-tied", "causal-learned-gelu-untied-bias", "causal-gqa-rotary-swiglu-bias",
+           "stages-mlm-learned-swiglu"]
 COMPILED = "compiled-causal-rotary-swiglu-tied"
 RTOL = 1e-5
 # After three AdamW steps: Adam divides by sqrt(v), so elements whose gradient is near zero
@@ -86,6 +87,8 @@ def test_a_splittable_model_passes():
 @pytest.mark.parametrize("overrides,tp,sp,words", [
     ({}, 1, True, "parallel.sp (sequence parallel) splits the work of tensor parallelism, so it needs parallel.tp > 1"),
     ({"heads": 6}, 4, False, "model.heads (6) must be divisible by parallel.tp (4)"),
+    ({"kv_heads": 2}, 4, False, "model.heads (8, 2 key/value heads) must be divisible by parallel.tp (4)"),
+    ({"kv_heads": 4}, 4, False, None),
     ({"hidden": 66, "heads": 4}, 4, False, "model.hidden (66) must be divisible by parallel.tp (4)"),
     ({"hidden": 66, "heads": 2}, 2, False, None),  # divisible: no error
     ({"mlp_hidden": 250}, 4, False, "model.mlp_hidden (250) must be divisible by parallel.tp (4)"),

@@ -43,12 +43,15 @@ def test_search_text_and_json(capsys):
     assert main(args + ["--explain", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "Best:" in out and "vs " in out and "torchrun --nnodes=2 --nproc-per-node=8" in out
+    # The trainer groups the query heads as the planner priced them: no note, and the command says so.
+    assert "key/value heads" not in out and "--set model.heads=32 --set model.kv_heads=8 " in out
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     ranked = result["ranked"]
     assert result["best"]["layout"] == ranked[0]["layout"] and all(r["fits"] for r in ranked)
     assert [r["step_time_s"] for r in ranked] == sorted(r["step_time_s"] for r in ranked)
-    assert any("key/value heads" in note for note in result["notes"])
+    assert not any("key/value heads" in note for note in result["notes"])
+    assert "--set model.kv_heads=8 " in result["best"]["command"]
 
 
 def test_recipe_model_and_profile_round_trip(tmp_path, capsys):

@@ -1,5 +1,7 @@
 """The cost model's extensions for the planner: grouped-query attention, per-matmul shapes,
-recomputation FLOPs. ModelConfig (no kv_heads) keeps its numbers; test_cost.py checks those."""
+recomputation FLOPs. ModelConfig without kv_heads keeps its numbers; test_cost.py checks those."""
+
+import dataclasses
 
 import pytest
 
@@ -19,9 +21,11 @@ def test_layer_matmuls_add_up_and_match_modelconfig():
     for spec in PRESETS.values():
         assert sum(k * n for k, n in layer_matmuls(spec).values()) == matmul_params(spec)["layer"]
     cfg = ModelConfig(vocab_size=50257, activation="swiglu", hidden=512, heads=8, mlp_hidden=1376, layers=4)
-    spec = from_config(cfg, "x")
-    assert matmul_params(spec) == matmul_params(cfg)
-    assert model_flops_per_token(spec, 256) == model_flops_per_token(cfg, 256)
+    for config in (cfg, dataclasses.replace(cfg, kv_heads=2)):  # multi-head and grouped-query attention
+        spec = from_config(config, "x")
+        assert matmul_params(spec) == matmul_params(config)
+        assert model_flops_per_token(spec, 256) == model_flops_per_token(config, 256)
+    assert matmul_params(dataclasses.replace(cfg, kv_heads=2))["attention"] == 2 * 512**2 + 2 * 512 * 128
 
 
 def test_recompute_flops_match_megatrons_hardware_formula():

@@ -1,7 +1,10 @@
+import json
+
+import pytest
 import torch
 
 from conftest import REPO, TINY
-from ember.config import load_config
+from ember.config import ConfigError, load_config
 from ember.train.trainer import Trainer
 
 
@@ -51,3 +54,23 @@ def test_bf16_autocast_trains_on_a_cpu(dataset, tmp_path):
     losses = [float(trainer.train_step(8, lr=1e-3)[0]) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+
+
+def test_a_grouped_query_run_checkpoints_and_resumes(dataset, tmp_path):
+    from safetensors import safe_open
+
+    sets = ["model.heads=4", "model.kv_heads=2", "train.checkpoint_every=2steps"]
+    run = tmp_path / "gqa"
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + sets)
+    assert Trainer(cfg, dataset, run, budget="2steps", progress=False).run()["status"] == "finished"
+    with safe_open(str(run / "model.safetensors"), "pt") as f:
+        # 2 key/value heads of hidden 32 / 4 heads: k and v are 16 wide, q stays 32.
+        assert f.get_slice("blocks.0.attn.k_proj.weight").get_shape() == [16, 32]
+        assert f.get_slice("blocks.0.attn.q_proj.weight").get_shape() == [32, 32]
+    resumed = Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False)
+    assert resumed.run()["status"] == "finished" and resumed.resume_from is not None
+    steps = [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 4
+    other = load_config(REPO / "configs/tiny-gpt.toml", TINY + sets + ["model.kv_heads=4"])
+    with pytest.raises(ConfigError, match="model.kv_heads is 4 but the run being resumed used 2"):
+        Trainer(other, dataset, run, budget="6steps", resume=True, progress=False)

@@ -4,10 +4,11 @@ model.safetensors, tokenizer files) that `from_pretrained` loads offline.
 Only exact mappings are written; a model that would compute something else in
 transformers is refused with the differences named:
 - causal, RMSNorm, SwiGLU, rotary -> `LlamaForCausalLM` (biases map onto attention_bias
-  and mlp_bias; tied or untied output per the run's config);
+  and mlp_bias, model.kv_heads onto num_key_value_heads; tied or untied output per the
+  run's config);
 - causal, LayerNorm, GELU, learned positions -> `GPT2LMHeadModel` (Conv1D stores weights
   [in, out], so they are transposed, and q, k, v are fused into c_attn; a run without
-  biases gets zero biases, which computes the same);
+  biases gets zero biases, which computes the same; no grouped-query attention);
 - masked LMs -> ember's own code (`hf_remote.py`, copied next to the weights as
   `modeling_ember.py`), loaded with `trust_remote_code=True` by `AutoModelForMaskedLM` and
   `AutoModelForSequenceClassification`. ModernBERT, the only pre-norm GeGLU encoder in
@@ -46,6 +47,8 @@ def choose_architecture(m: ModelConfig) -> str:
         return "EmberForMaskedLM"  # remote code: no built-in class matches
     misses = {name: [f"model.{k}={v} (this run has {getattr(m, k)})" for k, v in need.items() if getattr(m, k) != v]
               for name, need in REQUIRES.items()}
+    if m.kv_heads not in (0, m.heads):  # GPT-2 has one key/value head per query head
+        misses["GPT2LMHeadModel"].append(f"model.kv_heads=0 (this run has {m.kv_heads})")
     fits = [name for name, miss in misses.items() if not miss]
     if fits:
         return fits[0]
@@ -62,7 +65,7 @@ def llama(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tens
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.padded_vocab,
         "hidden_size": m.hidden, "intermediate_size": m.mlp_hidden, "num_hidden_layers": m.layers,
-        "num_attention_heads": m.heads, "num_key_value_heads": m.heads, "head_dim": m.hidden // m.heads,
+        "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads or m.heads, "head_dim": m.hidden // m.heads,
         "hidden_act": "silu", "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
         # Older transformers read rope_theta, newer ones rope_parameters: write both.
         "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
@@ -123,7 +126,7 @@ def gpt2(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tenso
 def ember_remote(model: Transformer, special: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """ember's own parameter names under `model.`, the output layer as its own tensor."""
     m = model.cfg
-    fields = ("hidden", "layers", "heads", "mlp_hidden", "max_seq_len", "objective", "activation", "norm",
+    fields = ("hidden", "layers", "heads", "kv_heads", "mlp_hidden", "max_seq_len", "objective", "activation", "norm",
               "positions", "bias", "norm_eps", "rope_theta")
     config = {
         "architectures": ["EmberForMaskedLM"], "model_type": "ember", "vocab_size": m.padded_vocab,

@@ -29,8 +29,9 @@ class EmberConfig(PretrainedConfig):
                  activation: str = "geglu", norm: str = "layernorm", positions: str = "sinusoidal",
                  bias: bool = False, norm_eps: float = 1e-12, rope_theta: float = 10000.0,
                  dropout: float = 0.0, classifier_dropout: float = 0.1, initializer_range: float = 0.02,
-                 **kwargs):
+                 kv_heads: int = 0, **kwargs):
         self.vocab_size, self.hidden, self.layers, self.heads = vocab_size, hidden, layers, heads
+        self.kv_heads = kv_heads or heads  # grouped-query attention below heads
         self.mlp_hidden, self.max_seq_len, self.objective = mlp_hidden, max_seq_len, objective
         self.activation, self.norm, self.positions, self.bias = activation, norm, positions, bias
         self.norm_eps, self.rope_theta, self.dropout = norm_eps, rope_theta, dropout
@@ -71,14 +72,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: EmberConfig):
         super().__init__()
         self.cfg, self.head_dim = cfg, cfg.hidden // cfg.heads
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias))
+        kv_hidden = cfg.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, kv_hidden, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, kv_hidden, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.positions == "rotary":
             q, k = _rotate(q, self.cfg.rope_theta), _rotate(k, self.cfg.rope_theta)
+        # Query head i reads key/value head i // group; copies work on any torch, enable_gqa needs 2.5.
+        group = self.cfg.heads // self.cfg.kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         causal = self.cfg.objective == "causal"
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask,
                                              dropout_p=self.cfg.dropout if self.training else 0.0, is_causal=causal)

@@ -61,6 +61,7 @@ def document_block_mask(document_ids: torch.Tensor, causal: bool,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over the pairs `block_mask` allows; q, k, v [B, heads, T, d]."""
+    """softmax(q k^T / sqrt(d)) v over the pairs `block_mask` allows; q [B, heads, T, d], k and v
+    [B, kv_heads, T, d], query head i reading key/value head i // (heads / kv_heads)."""
     fn = _compiled(flex_attention) if _fast(q.device) else flex_attention
-    return fn(q, k, v, block_mask=block_mask)
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])

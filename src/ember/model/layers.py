@@ -91,14 +91,20 @@ def attention_mask(causal: bool, key_padding_mask: torch.Tensor | None = None,
 
 
 class Attention(nn.Module):
+    """Multi-head attention, or grouped-query attention (Ainslie et al. 2023) when
+    `cfg.kv_heads` is below `heads`: k_proj and v_proj then have kv_heads heads, each read by
+    heads / kv_heads consecutive query heads, the layout of Llama's checkpoints."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.hidden // cfg.heads
+        self.kv_heads = cfg.kv_heads or cfg.heads
         self.causal = cfg.objective == "causal"
         self.dropout = cfg.dropout
+        kv_hidden = self.kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, kv_hidden, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, kv_hidden, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.fused = True
         self.rotary = (Rotary(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -118,7 +124,7 @@ class Attention(nn.Module):
             q, k, v = fused_linear(x, projections)
             if self.rotary is not None:
                 # Rotary makes new q and k; a copy of v lets the fused output go instead
-                # of staying alive, 3x v's size, for attention's backward.
+                # of staying alive, at least 3x v's size, for attention's backward.
                 v = v.contiguous()
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -128,9 +134,16 @@ class Attention(nn.Module):
         if isinstance(mask, flex_kernel.BlockMask):  # documents kept apart by a block-sparse fused kernel
             out = flex_kernel.attend(q, k, v, mask)
         else:
+            # Query head i reads key/value head i // group. Counted on the heads at hand: tensor
+            # parallelism gives each rank heads / tp and kv_heads / tp of them, the same groups.
+            group = q.shape[1] // k.shape[1]
+            if group > 1 and mask is not None:
+                # CUDA's flash kernel takes no mask, its memory-efficient one no enable_gqa (it would fall to math).
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                  dropout_p=self.dropout if self.training else 0.0,
-                                                 is_causal=self.causal and mask is None)
+                                                 is_causal=self.causal and mask is None,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
         batch, _, seq, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 

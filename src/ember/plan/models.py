@@ -1,6 +1,6 @@
 """The planner's description of a model: the shape fields of `ModelConfig` plus what the
-planner needs and `ModelConfig` cannot say yet (grouped-query attention). Built from a
-recipe TOML or from a preset of a published architecture.
+planner needs besides (the share of tokens predicted, ALiBi positions of a preset). Built
+from a recipe TOML or from a preset of a published architecture.
 
 Presets follow the papers and released configs: GPT-3 175B (Brown et al. 2020, Table 2.1),
 BLOOM 176B (BigScience 2022), Llama 2 (Touvron et al. 2023) and Llama 3 (Meta 2024, grouped
@@ -93,7 +93,7 @@ def from_config(cfg: ModelConfig, name: str, mlm_rate: float = 0.15) -> ModelSpe
                           "the embedding and output layers.")
     sparse = cfg.objective == "mlm" and cfg.sparse_prediction
     return ModelSpec(name, cfg.layers, cfg.hidden, cfg.heads, cfg.mlp_hidden, cfg.vocab_size,
-                     activation=cfg.activation, objective=cfg.objective,
+                     kv_heads=cfg.kv_heads, activation=cfg.activation, objective=cfg.objective,
                      predicted_fraction=mlm_rate if sparse else 1.0, tie_embeddings=cfg.tie_embeddings,
                      positions=cfg.positions, norm=cfg.norm, bias=cfg.bias, dropout=cfg.dropout > 0,
                      vocab_multiple=cfg.vocab_multiple, max_seq_len=cfg.max_seq_len)

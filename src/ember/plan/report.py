@@ -16,7 +16,7 @@ from ember.plan.predict import Prediction
 from ember.plan.uncertainty import overlaps
 
 # ModelConfig fields a preset sets when there is no recipe to point the trainer at.
-_MODEL_KEYS = ("objective", "hidden", "layers", "heads", "mlp_hidden", "activation", "norm", "bias",
+_MODEL_KEYS = ("objective", "hidden", "layers", "heads", "kv_heads", "mlp_hidden", "activation", "norm", "bias",
                "positions", "tie_embeddings", "vocab_size", "max_seq_len")
 
 
@@ -50,9 +50,6 @@ def command_notes(model, recipe: str | None, layout: Layout | None = None,
         elsewhere = set(problems(layout, model, shape.global_batch, ember=False))
         notes += [f"ember's trainer refuses this layout: {reason}." for reason in
                   problems(layout, model, shape.global_batch, ember=True) if reason not in elsewhere]
-    if model.kv_heads != model.heads:
-        notes.append(f"{model.name} groups its {model.heads} query heads over {model.kv_heads} key/value heads, "
-                     "which ember's model does not implement yet; the command trains full multi-head attention.")
     if model.positions == "alibi":
         notes.append(f"{model.name} uses ALiBi positions, which ember's model does not implement yet.")
     if recipe is None:
