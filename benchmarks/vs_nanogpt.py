@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ember.config import Budget, load_config
+from ember.budget import Budget
+from ember.config import load_config
 from ember.data import Batches, held_out_seed, make_targets
 from ember.data.corpus import write_stdlib_corpus
 from ember.data.prepare import prepare

@@ -1,6 +1,7 @@
 import pytest
 
-from ember.config import Config, ConfigError, load_config, parse_budget, to_toml
+from ember.budget import parse_budget
+from ember.config import Config, ConfigError, load_config, to_toml
 
 
 def test_recipe_then_overrides(tmp_path):

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ember.budget import parse_budget, parse_interval
+from ember.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user's mistake in a recipe, an override or a command-line value."""
+__all__ = ["ConfigError"]  # raised by everything below; callers import it from here
 
 
 @dataclass
@@ -326,7 +326,8 @@ def validate(config: Config) -> None:
     _check_ranges(config)
     unknown = [name for name in t.trackers if name not in ("tensorboard", "wandb", "trackio")]
     if unknown:
-        raise ConfigError(f"train.trackers takes \"tensorboard\", \"wandb\" and \"trackio\", not {', '.join(map(repr, unknown))}.")
+        raise ConfigError(f"train.trackers takes \"tensorboard\", \"wandb\" and \"trackio\", "
+                          f"not {', '.join(map(repr, unknown))}.")
     validate_parallel(config.parallel)
     parse_budget(t.budget)
     parse_interval(t.eval_every, "train.eval_every")
@@ -352,48 +353,6 @@ def validate_parallel(p: ParallelConfig) -> None:
     except (TypeError, ValueError):
         raise ConfigError(f"parallel.stage_layers must be a list of whole numbers of layers per pipeline stage, "
                           f"e.g. [5, 6, 6, 5], not {p.stage_layers!r}.") from None
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How long a run lasts: `kind` is "seconds", "tokens" or "steps"."""
-
-    kind: str
-    amount: float
-
-    def __str__(self) -> str:
-        if self.kind == "seconds":
-            return f"{self.amount:g}s"
-        return f"{self.amount:g}{'tok' if self.kind == 'tokens' else 'steps'}"
-
-
-_UNITS = {
-    "s": ("seconds", 1), "sec": ("seconds", 1), "m": ("seconds", 60), "min": ("seconds", 60),
-    "h": ("seconds", 3600), "d": ("seconds", 86400),
-    "tok": ("tokens", 1), "tokens": ("tokens", 1), "steps": ("steps", 1), "step": ("steps", 1),
-}
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
-
-
-def parse_budget(text: str, name: str = "budget") -> Budget:
-    """'90s', '10m', '2h', '1e8tok', '500steps' -> Budget."""
-    match = _BUDGET.match(str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or not 0 < float(match.group(1)) < math.inf:
-        raise ConfigError(
-            f"{name} {text!r} is not understood; write a time (90s, 10m, 2h), "
-            "tokens (1e8tok) or steps (500steps)."
-        )
-    kind, scale = unit
-    return Budget(kind, float(match.group(1)) * scale)
-
-
-def parse_interval(text: str, name: str) -> Budget:
-    """Intervals (eval, checkpoint) are steps or times; tokens make no sense there."""
-    interval = parse_budget(text, name)
-    if interval.kind == "tokens":
-        raise ConfigError(f"{name} must be a number of steps (100steps) or a time (5m), not {text!r}.")
-    return interval
 
 
 def to_toml(config: Config) -> str:

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from conftest import REPO, TINY
-from ember.config import ScheduleConfig, load_config, parse_budget
+from ember.budget import parse_budget
+from ember.config import ScheduleConfig, load_config
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.trainer import Trainer
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.config import Budget
+from ember.budget import Budget
 from ember.train.schedule import Progress
 
 CONTINUE, STOP, HALT, ROLLBACK = "continue", "stop", "halt", "rollback"  # stop saves first; halt does not

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ember.config import Budget, ScheduleConfig
+from ember.budget import Budget
+from ember.config import ScheduleConfig
 
 
 @dataclass

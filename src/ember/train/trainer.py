@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ember.atomic import write_text
-from ember.config import Config, parse_budget, parse_interval, to_toml
+from ember.budget import parse_budget, parse_interval
+from ember.config import Config, to_toml
 from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import verify_checksums
