@@ -34,6 +34,10 @@ LAYOUTS = {
     "zero2x2": (2, ["parallel.zero=2"]),
     "zero3x2": (2, ["parallel.zero=3"]),
     "tp2": (2, ["parallel.tp=2"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
+    "one-selective": (1, ["parallel.recompute=selective"]),
+    "tp2-selective": (2, ["parallel.tp=2", "parallel.recompute=selective"]),
+    "tp2-sp-selective": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.recompute=selective"]),
     "pp2": (2, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
 }
@@ -74,6 +78,7 @@ def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     from ember.plan.layout import TrainShape
     from ember.plan.memory import GIB as PLAN_GIB, stage_memory
     from ember.plan.models import from_config
+    from ember.plan.stacks import STACKS
 
     cfg = load_config(REPO / "configs/llama-1b.toml", sets)
     layout = Layout.from_config(cfg, world)
@@ -81,7 +86,8 @@ def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     shape = TrainShape(cfg.model.max_seq_len, cfg.train.global_batch, precision="fp32")
     out = []
     for stage in range(layout.pp):
-        mem = stage_memory(spec, layout, shape, stage, 4, "flash", 24 * PLAN_GIB, runtime=0.0)
+        mem = stage_memory(spec, layout, shape, stage, 4, "flash", 24 * PLAN_GIB, runtime=0.0,
+                           policy=STACKS["ember"].recompute_policy(layout.recompute))
         out.append({"stage": stage, "total": mem.total, "parts_gib": mem.parts_gib()})
     return out
 

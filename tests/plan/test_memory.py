@@ -96,3 +96,41 @@ def test_the_cuda_peak_is_the_allocators_reservation(monkeypatch):
     assert dev.peak_memory_bytes(cuda) == 5 * 2**30
     cpu = torch.device("cpu")
     assert dev.peak_reserved_bytes(cpu) == dev.peak_memory_bytes(cpu) > 0
+
+
+@pytest.mark.parametrize("tp,sp,expected_over_h", [
+    # block input 2h; q/k/v 6h, attention output 2h, MLP up 8h, log-sum-exp 4a/h (split by tp);
+    # the attention-output and MLP-down projections' results, 2h each ...
+    (1, False, lambda a, h, t: 2 + 6 + 2 + 8 + 4 * a / h + 2 * 2),
+    # ... as a local partial sum and an all-reduced copy on every rank ...
+    (4, False, lambda a, h, t: 2 + (6 + 2 + 8 + 4 * a / h) / t + 2 * (2 + 2)),
+    # ... or a partial sum and a reduce-scattered slice, plus the two all-gathered inputs.
+    (4, True, lambda a, h, t: 2 / t + (6 + 2 + 8 + 4 * a / h) / t + 2 * (2 + 2 / t) + 2 * 2),
+])
+def test_embers_selective_policy_keeps_matmul_and_collective_outputs(tp, sp, expected_over_h):
+    h, a = GPT.hidden, GPT.heads
+    layout = Layout(tp=tp, sp=sp, recompute="selective")
+    got = activation_bytes_per_token(GPT, 2048, layout, "flash", policy="selective")
+    assert got == pytest.approx(h * expected_over_h(a, h, tp), rel=1e-12)
+    # Without tensor parallelism it keeps less than no recomputation (norm outputs and the
+    # MLP activation are rerun); with sequence parallelism it keeps more (gathered inputs).
+    none = activation_bytes_per_token(GPT, 2048, Layout(tp=tp, sp=sp), "flash")
+    assert (got < none) if tp == 1 else (got > none) if sp else True
+
+
+def test_the_planner_sizes_selective_recomputation_as_the_stack_runs_it():
+    from ember.plan.cluster import make_cluster
+    from ember.plan.predict import predict
+    from ember.plan.stacks import stack
+
+    model, shape = PRESETS["llama3-8b"], TrainShape(8192, 64)
+    kept = {}
+    for name in ("ember", "megatron"):
+        cluster = make_cluster("H100", 8, stack=stack(name))
+        for recompute in ("none", "selective"):
+            layout = Layout(dp_shard=8, zero=1, micro_batch=1, recompute=recompute)
+            kept[name, recompute] = predict(model, cluster, shape, layout).memory.activations
+    # Megatron reruns the attention core, whose softmax flash attention never stores: no saving.
+    assert kept["megatron", "selective"] == pytest.approx(kept["megatron", "none"])
+    # ember reruns norms and the gated MLP's activation: 2h + 2h + 2f of every token.
+    assert kept["ember", "selective"] < 0.8 * kept["ember", "none"]

@@ -86,13 +86,18 @@ def stage_params(model, layout: Layout, stage: int) -> float:
     return params
 
 
-def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: str) -> float:
-    """Bytes one layer keeps per token of a micro-batch until its backward pass."""
+def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: str,
+                               policy: str = "selective-attention") -> float:
+    """Bytes one layer keeps per token of a micro-batch until its backward pass. `policy`
+    names what selective recomputation reruns (`Stack.recompute_policy`): Megatron's
+    attention core by default, or ember's elementwise work ("selective")."""
     h, kv, f, t = model.hidden, kv_hidden(model), model.mlp_hidden, layout.tp
     mask = 1 if model.dropout else 0
     split_norms = t if layout.sp else 1
     if layout.recompute == "full":
         return 2 * h / split_norms
+    if layout.recompute == "selective" and policy == "selective" and attention == "flash":
+        return _kept_matmul_outputs(model, layout)
     replicated = 4 * h + 2 * h + 2 * h + 2 * mask * h
     attention_part = 2 * h + 4 * kv + 2 * h
     mlp_part = (6 * f) if gated(model) else (4 * f)
@@ -104,11 +109,28 @@ def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: s
     return per_token
 
 
-def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str) -> float:
+def _kept_matmul_outputs(model, layout: Layout) -> float:
+    """What ember's selective policy (parallel/recompute.py) keeps per token: the block's
+    input and the outputs of its matmuls, attention kernel and tensor-parallel collectives.
+    The row-parallel projections (attention output, MLP down) keep their local partial sum
+    and the collective's result; sequence parallelism also keeps the two all-gathered
+    [B, T, h] inputs of the column-parallel ones. Norm outputs and the MLP's activation
+    (2h + 2h + 2f of the 34-term count) are what it saves by rerunning them."""
+    h, kv, f, t = model.hidden, kv_hidden(model), model.mlp_hidden, layout.tp
+    sharded = (2 * h + 4 * kv) + 2 * h + (4 if gated(model) else 2) * f + 4 * model.heads
+    if t == 1:
+        return 2 * h + sharded + 2 * (2 * h)
+    if not layout.sp:
+        return 2 * h + sharded / t + 2 * (2 * h + 2 * h)
+    return 2 * h / t + sharded / t + 2 * (2 * h + 2 * h / t) + 2 * (2 * h)
+
+
+def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str,
+                           policy: str = "selective-attention") -> float:
     """Bytes per token a layer keeps on average when only some layers are recomputed
     (`recompute_every`): the covered share keeps the policy's, the rest everything."""
     covered = layout.recomputed_fraction(model.layers)
-    kept = activation_bytes_per_token(model, seq_len, layout, attention)
+    kept = activation_bytes_per_token(model, seq_len, layout, attention, policy)
     if covered in (0.0, 1.0):
         return kept
     return covered * kept + (1 - covered) * activation_bytes_per_token(model, seq_len, _no_recompute(layout),
@@ -163,10 +185,12 @@ class Memory:
 
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
-                 attention: str, capacity: float, runtime: float = RUNTIME_BYTES) -> Memory:
+                 attention: str, capacity: float, runtime: float = RUNTIME_BYTES,
+                 policy: str = "selective-attention") -> Memory:
     """Memory of one GPU of pipeline rank `stage`. `shape.precision` "fp32" (a CPU run, or
     a GPU without autocast) keeps 4-byte weights, gradients and activations and no master
-    copy (Adam's two moments only); `runtime` is what the device holds outside the program."""
+    copy (Adam's two moments only); `runtime` is what the device holds outside the program;
+    `policy`: what selective recomputation reruns (`Stack.recompute_policy`)."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
@@ -180,7 +204,8 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
     tokens = s * b
-    acts = in_flight(layout, m, stage) * layers * tokens * layer_activation_bytes(model, s, layout, attention)
+    kept = layer_activation_bytes(model, s, layout, attention, policy)
+    acts = in_flight(layout, m, stage) * layers * tokens * kept
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     acts *= width
@@ -195,7 +220,11 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     full_layer = width * tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
     loss = tokens * model.predicted_fraction * vocab_t * (8 if fp32 else 6) if output else 0.0
     widest = width * tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
-    transient = max(full_layer if layout.recompute == "full" else 0.0, loss, widest)
+    # Recomputation rebuilds one layer at a time: all of it (full), or what the selective
+    # policy did not keep.
+    rebuilt = {"none": 0.0, "full": full_layer}.get(
+        layout.recompute, full_layer - width * tokens * activation_bytes_per_token(model, s, layout, attention, policy))
+    transient = max(rebuilt, loss, widest)
     if fp32:
         # ember's CPU optimizer is the unfused AdamW: it makes two temporaries the size of
         # each parameter in turn (fused AdamW on a GPU makes none). It runs once the
@@ -220,10 +249,12 @@ def _no_recompute(layout: Layout) -> Layout:
     return replace(layout, recompute="none")
 
 
-def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash") -> Memory:
+def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash",
+           policy: str = "selective-attention") -> Memory:
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
-    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime) for i in stages),
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy)
+                for i in stages),
                key=lambda mem: mem.total)
