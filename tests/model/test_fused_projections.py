@@ -150,3 +150,17 @@ def test_compiled_fused_block_equals_eager():
     torch.testing.assert_close(grad_in_c, grad_in, rtol=1e-5, atol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_compiled_fused_block_keeps_no_concatenated_weight(amp):
+    """torch.compile's partitioner keeps whatever backward needs that forward computed: were
+    the backward to use the concatenated weight, every layer's [3h, h] and [2f, h] copy would
+    stay alive from forward to backward (and under ZeRO-3 the gathered weights with it)."""
+    torch.manual_seed(0)
+    block = Block(config(positions="rotary", activation="swiglu"))
+    block.forward = torch.compile(block.forward, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        block(hidden_states()).sum().backward()  # compile outside the measurement
+    _, sizes = saved_bytes(block, hidden_states(), amp)
+    assert not sizes & {3 * HIDDEN * HIDDEN, 2 * MLP_HIDDEN * HIDDEN}

@@ -6,7 +6,7 @@ export and parallelism plans address them as before; only the arithmetic is fuse
 autograd function saves the input and the layers' own weights, never their concatenation:
 a saved [3h, h] copy would stay alive from forward to backward in every layer, and under
 ZeRO-3 (which frees gathered parameters after forward and gathers them again for
-backward) it would undo the sharding. The concatenation exists only while a matmul runs.
+backward) it would undo the sharding. The concatenation exists only while the forward matmul runs, compiled or not.
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ class _FusedLinear(torch.autograd.Function):
         flat = grad.reshape(-1, grad.shape[-1])
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = (flat @ torch.cat([w.to(x.dtype) for w in weights])).view(x.shape)
+            # Layer by layer, not against the concatenated weight: a backward that needs the
+            # concatenation lets torch.compile keep the forward's copy alive until backward,
+            # in every layer (and under ZeRO-3, gathered weights it means to free).
+            pieces = flat.split(rows, dim=1)
+            grad_x = pieces[0] @ weights[0].to(x.dtype)
+            for piece, weight in zip(pieces[1:], weights[1:]):
+                grad_x = grad_x.addmm(piece, weight.to(x.dtype))
+            grad_x = grad_x.view(x.shape)
         grad_weights = [None] * ctx.count
         if any(ctx.needs_input_grad[2:2 + ctx.count]):
             grad_weights = (flat.t() @ x.reshape(-1, x.shape[-1])).split(rows)
