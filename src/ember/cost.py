@@ -27,6 +27,7 @@ key and value projections: 2h² + 2·h·h_kv attention weights, h_kv = h·kv_hea
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 
@@ -124,3 +125,17 @@ def recompute_flops_per_token(cfg: ModelShape, seq_len: int, policy: str) -> flo
     if policy in ("selective", "none"):
         return 0.0
     raise ValueError(f"recompute policy must be none, selective or full, not {policy!r}.")
+
+
+# Chunks of fewer logits than this (64 MiB in fp32) would turn the output layer's matmuls
+# into many thin ones that reread the whole weight, for no memory worth saving.
+_MIN_CHUNK_LOGITS = 2**24
+
+
+def chunk_tokens(n_tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of the fused output layer and loss (model/loss.py; the planner sizes
+    its memory by it): chunk logits about the size of the hidden states themselves (vocab /
+    hidden chunks, as Liger-Kernel), so the loss holds no more than an activation does, but
+    never fewer logits than _MIN_CHUNK_LOGITS."""
+    by_activation = math.ceil(n_tokens / max(1, math.ceil(vocab / hidden)))
+    return max(1, min(n_tokens, max(by_activation, _MIN_CHUNK_LOGITS // vocab)))

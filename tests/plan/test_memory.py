@@ -134,3 +134,23 @@ def test_the_planner_sizes_selective_recomputation_as_the_stack_runs_it():
     assert kept["megatron", "selective"] == pytest.approx(kept["megatron", "none"])
     # ember reruns norms and the gated MLP's activation: 2h + 2h + 2f of every token.
     assert kept["ember", "selective"] < 0.8 * kept["ember", "none"]
+
+
+def test_embers_fused_loss_never_holds_the_micro_batchs_logits():
+    """ember's output layer computes the loss over chunks of tokens (model/loss.py): only one
+    chunk's logits exist, and backward gets the hidden states' and the weight's gradients.
+    Other stacks (and ember under tensor parallelism, whose loss is vocabulary-parallel) keep
+    the fp32 logits of the whole micro-batch."""
+    from ember.cost import chunk_tokens
+
+    model, shape, tokens = PRESETS["llama3-8b"], TrainShape(8192, 8), 8192
+    h, v = model.hidden, model.padded_vocab
+    fused = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, fused_loss=True)
+    plain = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, fused_loss=False)
+    assert fused.logits == pytest.approx(tokens * 4 * h + 4 * v * h + tokens * 2 * h)
+    assert plain.logits == pytest.approx(tokens * 4 * v + tokens * 2 * h)
+    # The largest saving is the transient: one chunk's logits and gradient, not the batch's.
+    assert fused.logits + fused.buffers < (plain.logits + plain.buffers) / 3
+    split = stage_memory(model, Layout(tp=2), shape, 0, 2, "flash", 80 * 2**30, fused_loss=True)
+    assert split.logits == pytest.approx(tokens * 4 * v / 2 + tokens * 2 * h)  # vocabulary-parallel: sharded
+    assert chunk_tokens(tokens, v, h) < tokens  # the transient is one chunk's

@@ -15,25 +15,13 @@ that backward needs anyway; no matmul is repeated.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
 
+from ember.cost import chunk_tokens
+
 IGNORE = -100  # label of positions that predict nothing (the data side's convention)
-
-
-# Chunks of fewer logits than this (64 MiB in fp32) would turn the output layer's matmuls
-# into many thin ones that reread the whole weight, for no memory worth saving.
-_MIN_CHUNK_LOGITS = 2**24
-
-
-def chunk_tokens(n_tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: chunk logits about the size of the hidden states themselves
-    (vocab / hidden chunks, as Liger-Kernel), so the loss holds no more than an activation
-    does, but never fewer logits than _MIN_CHUNK_LOGITS."""
-    by_activation = math.ceil(n_tokens / max(1, math.ceil(vocab / hidden)))
-    return max(1, min(n_tokens, max(by_activation, _MIN_CHUNK_LOGITS // vocab)))
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

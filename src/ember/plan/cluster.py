@@ -80,6 +80,10 @@ class Stack:
     # Share of the GPU table's FlashAttention rate this stack's attention kernel reaches
     # (a fused kernel only; unfused attention runs as matmuls at `kernel_eff`).
     attention_eff: float = 1.0
+    # Whether the loss runs fused with the output layer, over chunks of tokens (ember's
+    # model/loss.py, where the vocabulary is not split over tensor-parallel ranks): the
+    # fp32 logits of the micro-batch never exist, only one chunk's and the gradients.
+    fused_loss: bool = True
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

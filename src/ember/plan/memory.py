@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ember.cost import gated, kv_hidden, matmul_params
+from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
 from ember.layout import Layout
 from ember.plan.layout import TrainShape
 
@@ -186,11 +186,13 @@ class Memory:
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
                  attention: str, capacity: float, runtime: float = RUNTIME_BYTES,
-                 policy: str = "selective-attention") -> Memory:
+                 policy: str = "selective-attention", fused_loss: bool = False) -> Memory:
     """Memory of one GPU of pipeline rank `stage`. `shape.precision` "fp32" (a CPU run, or
     a GPU without autocast) keeps 4-byte weights, gradients and activations and no master
     copy (Adam's two moments only); `runtime` is what the device holds outside the program;
-    `policy`: what selective recomputation reruns (`Stack.recompute_policy`)."""
+    `policy`: what selective recomputation reruns (`Stack.recompute_policy`); `fused_loss`:
+    the loss runs over chunks of tokens with the output layer (`Stack.fused_loss`), which
+    ember's model does where the vocabulary is not split over tensor-parallel ranks."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
@@ -211,14 +213,20 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     acts *= width
     logits = 0.0
     vocab_t = model.padded_vocab / t
-    if output:  # fp32 softmax kept for the loss's backward, final norm input
-        predicted = tokens * model.predicted_fraction
+    chunked = fused_loss and t == 1
+    predicted = tokens * model.predicted_fraction
+    if output and chunked:  # the gradients the fused loss hands to backward (fp32), final norm input
+        h = model.hidden
+        logits = predicted * 4 * h + 4 * model.padded_vocab * h + tokens * 2 * width * h
+    elif output:  # fp32 softmax kept for the loss's backward, final norm input
         logits = predicted * vocab_t * 4 + tokens * 2 * width * model.hidden
     # Transients, the largest one at a time: recomputing one layer's activations (full
     # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
     # intermediate; plus communication buffers.
     full_layer = width * tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
-    loss = tokens * model.predicted_fraction * vocab_t * (8 if fp32 else 6) if output else 0.0
+    # The loss's logits and their gradient: the micro-batch's, or one chunk's (model/loss.py).
+    rows = chunk_tokens(predicted, model.padded_vocab, model.hidden) if chunked else predicted
+    loss = rows * vocab_t * (8 if fp32 else 6) if output else 0.0
     widest = width * tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
     # Recomputation rebuilds one layer at a time: all of it (full), or what the selective
     # policy did not keep.
@@ -250,11 +258,11 @@ def _no_recompute(layout: Layout) -> Layout:
 
 
 def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash",
-           policy: str = "selective-attention") -> Memory:
+           policy: str = "selective-attention", fused_loss: bool = False) -> Memory:
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
-    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy)
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy, fused_loss)
                 for i in stages),
                key=lambda mem: mem.total)

@@ -45,15 +45,15 @@ STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
                       overlap_param_gather=False, host_s_per_kernel=70e-6, kernel_eff=0.975, attention_eff=0.9,
-                      selective="attention"),
+                      selective="attention", fused_loss=False),
     "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
                            overlap_param_gather=False, host_s_per_kernel=100e-6, kernel_eff=0.9,
-                           selective="attention"),
+                           selective="attention", fused_loss=False),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
                        overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
-                       kernel_eff=1.05, selective="attention"),
+                       kernel_eff=1.05, selective="attention", fused_loss=False),
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
-                  attention_eff=0.55, selective="half-matmul"),
+                  attention_eff=0.55, selective="half-matmul", fused_loss=False),
 }
 
 
