@@ -154,3 +154,21 @@ def test_embers_fused_loss_never_holds_the_micro_batchs_logits():
     split = stage_memory(model, Layout(tp=2), shape, 0, 2, "flash", 80 * 2**30, fused_loss=True)
     assert split.logits == pytest.approx(tokens * 4 * v / 2 + tokens * 2 * h)  # vocabulary-parallel: sharded
     assert chunk_tokens(tokens, v, h) < tokens  # the transient is one chunk's
+
+
+def test_gradients_made_in_backward_reuse_the_activations_room():
+    """With one micro-batch on one stage, gradients freed after every step are made as
+    backward frees the activations: the peak holds the larger of the two, not both. Not so
+    with accumulation (later micro-batches run forward beside the gradients), under DDP
+    (its buckets keep them) or in a stack with a persistent gradient buffer."""
+    model, shape = PRESETS["llama2-7b"], TrainShape(4096, 8)
+    one = Layout(dp_shard=8, zero=3, micro_batch=1)
+    freed = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, frees_grads=True)
+    kept = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, frees_grads=False)
+    assert freed.shared == pytest.approx(min(freed.grads, freed.activations + freed.logits)) and freed.shared > 0
+    assert freed.total < kept.total and kept.shared == 0
+    accumulating = stage_memory(model, Layout(dp_shard=4, zero=3, micro_batch=1, dp_replicate=1), shape, 0, 2,
+                                "flash", 80 * 2**30, frees_grads=True)
+    ddp = stage_memory(model, Layout(dp_replicate=8, micro_batch=1), shape, 0, 2, "flash", 80 * 2**30,
+                       frees_grads=True)
+    assert accumulating.shared == 0 and ddp.shared == 0

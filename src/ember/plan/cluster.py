@@ -84,6 +84,10 @@ class Stack:
     # model/loss.py, where the vocabulary is not split over tensor-parallel ranks): the
     # fp32 logits of the micro-batch never exist, only one chunk's and the gradients.
     fused_loss: bool = True
+    # Whether gradients are freed after every optimizer step (zero_grad(set_to_none=True))
+    # and made again in backward, in the room freed activations leave, rather than kept in
+    # a persistent buffer (Megatron-LM's and DeepSpeed's contiguous gradient buffers).
+    frees_grads: bool = True
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

@@ -162,11 +162,14 @@ class Memory:
     fragmentation: float
     stage: int
     capacity: float
+    # Counted twice above: gradients made in backward in the room the freed activations
+    # leave (one micro-batch, one stage, gradients freed after every step).
+    shared: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.buffers + self.runtime + self.fragmentation)
+                + self.buffers + self.runtime + self.fragmentation - self.shared)
 
     @property
     def fits(self) -> bool:
@@ -181,18 +184,20 @@ class Memory:
 
     def parts_gib(self) -> dict[str, float]:
         names = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "runtime", "fragmentation")
-        return {name: round(getattr(self, name) / GIB, 2) for name in names}
+        parts = {name: round(getattr(self, name) / GIB, 2) for name in names}
+        return parts | ({"shared": -round(self.shared / GIB, 2)} if self.shared else {})
 
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
                  attention: str, capacity: float, runtime: float = RUNTIME_BYTES,
-                 policy: str = "selective-attention", fused_loss: bool = False) -> Memory:
+                 policy: str = "selective-attention", fused_loss: bool = False, frees_grads: bool = False) -> Memory:
     """Memory of one GPU of pipeline rank `stage`. `shape.precision` "fp32" (a CPU run, or
     a GPU without autocast) keeps 4-byte weights, gradients and activations and no master
     copy (Adam's two moments only); `runtime` is what the device holds outside the program;
     `policy`: what selective recomputation reruns (`Stack.recompute_policy`); `fused_loss`:
     the loss runs over chunks of tokens with the output layer (`Stack.fused_loss`), which
-    ember's model does where the vocabulary is not split over tensor-parallel ranks."""
+    ember's model does where the vocabulary is not split over tensor-parallel ranks;
+    `frees_grads`: gradients are freed after every step (`Stack.frees_grads`)."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
@@ -248,9 +253,13 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         vocab_group = model.padded_vocab * model.hidden / t if (embedding or output) else 0.0
         comm += (layer + max(layer, vocab_group)) * ((4 if fp32 else WEIGHT_BYTES) + grad_bytes)
     buffers = transient + comm
-    held = weights + grads + optimizer + acts + logits + buffers
+    # With one micro-batch on one stage nothing runs forward while gradients exist: backward
+    # makes them as it frees the activations (unless DDP keeps them in its buckets).
+    alone = m == 1 and layout.pp == 1 and not (layout.zero == 0 and layout.dp > 1)
+    shared = min(grads, acts + logits) if frees_grads and alone else 0.0
+    held = weights + grads + optimizer + acts + logits + buffers - shared
     return Memory(weights, grads, optimizer, acts, logits, buffers, runtime, FRAGMENTATION * held,
-                  stage, capacity)
+                  stage, capacity, shared)
 
 
 def _no_recompute(layout: Layout) -> Layout:
@@ -258,11 +267,11 @@ def _no_recompute(layout: Layout) -> Layout:
 
 
 def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash",
-           policy: str = "selective-attention", fused_loss: bool = False) -> Memory:
+           policy: str = "selective-attention", fused_loss: bool = False, frees_grads: bool = False) -> Memory:
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
-    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy, fused_loss)
-                for i in stages),
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy, fused_loss,
+                             frees_grads) for i in stages),
                key=lambda mem: mem.total)

@@ -74,7 +74,7 @@ def table(predictions: list[Prediction]) -> Table:
         lo, mem = p.layout, p.memory
         states = (mem.weights + mem.grads + mem.optimizer) / GIB
         acts = (mem.activations + mem.logits) / GIB
-        other = (mem.buffers + mem.runtime + mem.fragmentation) / GIB
+        other = (mem.buffers + mem.runtime + mem.fragmentation - mem.shared) / GIB
         comm = p.shares["tp_comm"] + p.shares["pp_comm"] + p.shares["dp_comm"]
         size = f"{mem.total / GIB:.1f}" if p.fits else f"[red]{mem.total / GIB:.1f}[/red]"
         dp = str(lo.dp) if lo.dp_replicate == 1 or lo.zero == 0 else f"{lo.dp_replicate}x{lo.dp_shard}"
@@ -162,7 +162,7 @@ def explain(best: Prediction, others: list[Prediction], too_big: Prediction | No
 
 
 def memory_line(p: Prediction) -> str:
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in p.memory.parts_gib().items() if v >= 0.05)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in p.memory.parts_gib().items() if abs(v) >= 0.05)
     return (f"memory on pipeline stage {p.memory.stage}: {p.memory.total / GIB:.1f} GiB of "
             f"{p.memory.capacity / GIB:.1f} ({parts})" + ("" if p.fits else "  DOES NOT FIT"))
 
