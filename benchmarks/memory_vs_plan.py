@@ -87,8 +87,7 @@ def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     out = []
     for stage in range(layout.pp):
         mem = stage_memory(spec, layout, shape, stage, 4, "flash", 24 * PLAN_GIB, runtime=0.0,
-                           policy=STACKS["ember"].recompute_policy(layout.recompute),
-                           fused_loss=STACKS["ember"].fused_loss, frees_grads=STACKS["ember"].frees_grads)
+                           stack=STACKS["ember"])
         out.append({"stage": stage, "total": mem.total, "parts_gib": mem.parts_gib()})
     return out
 

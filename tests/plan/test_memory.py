@@ -5,7 +5,8 @@ import pytest
 
 from ember.layout import Layout
 from ember.plan.layout import TrainShape
-from ember.plan.memory import activation_bytes_per_token, in_flight, stage_memory, total_params
+from ember.plan.cluster import Stack
+from ember.plan.memory import MEGATRON, activation_bytes_per_token, in_flight, stage_memory, total_params
 from ember.plan.models import PRESETS, ModelSpec
 
 # A GPT block exactly as Korthikanti et al. count it: 4h GELU MLP, multi-head, dropout.
@@ -110,11 +111,11 @@ def test_the_cuda_peak_is_the_allocators_reservation(monkeypatch):
 def test_embers_selective_policy_keeps_matmul_and_collective_outputs(tp, sp, expected_over_h):
     h, a = GPT.hidden, GPT.heads
     layout = Layout(tp=tp, sp=sp, recompute="selective")
-    got = activation_bytes_per_token(GPT, 2048, layout, "flash", policy="selective")
+    got = activation_bytes_per_token(GPT, 2048, layout, "flash", stack=Stack())
     assert got == pytest.approx(h * expected_over_h(a, h, tp), rel=1e-12)
     # Without tensor parallelism it keeps less than no recomputation (norm outputs and the
     # MLP activation are rerun); with sequence parallelism it keeps more (gathered inputs).
-    none = activation_bytes_per_token(GPT, 2048, Layout(tp=tp, sp=sp), "flash")
+    none = activation_bytes_per_token(GPT, 2048, Layout(tp=tp, sp=sp), "flash", stack=Stack())
     assert (got < none) if tp == 1 else (got > none) if sp else True
 
 
@@ -145,14 +146,16 @@ def test_embers_fused_loss_never_holds_the_micro_batchs_logits():
 
     model, shape, tokens = PRESETS["llama3-8b"], TrainShape(8192, 8), 8192
     h, v = model.hidden, model.padded_vocab
-    fused = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, fused_loss=True)
-    plain = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, fused_loss=False)
+    fused = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, stack=Stack())
+    plain = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, stack=MEGATRON)
     assert fused.logits == pytest.approx(tokens * 4 * h + 4 * v * h + tokens * 2 * h)
     assert plain.logits == pytest.approx(tokens * 4 * v + tokens * 2 * h)
     # The largest saving is the transient: one chunk's logits and gradient, not the batch's.
     assert fused.logits + fused.buffers < (plain.logits + plain.buffers) / 3
-    split = stage_memory(model, Layout(tp=2), shape, 0, 2, "flash", 80 * 2**30, fused_loss=True)
+    split = stage_memory(model, Layout(tp=2), shape, 0, 2, "flash", 80 * 2**30, stack=Stack())
     assert split.logits == pytest.approx(tokens * 4 * v / 2 + tokens * 2 * h)  # vocabulary-parallel: sharded
+    # ... through PyTorch's cross-entropy under loss_parallel: four fp32 copies of the logits at its peak
+    assert split.buffers == pytest.approx(tokens * v / 2 * 16)
     assert chunk_tokens(tokens, v, h) < tokens  # the transient is one chunk's
 
 
@@ -163,12 +166,23 @@ def test_gradients_made_in_backward_reuse_the_activations_room():
     (its buckets keep them) or in a stack with a persistent gradient buffer."""
     model, shape = PRESETS["llama2-7b"], TrainShape(4096, 8)
     one = Layout(dp_shard=8, zero=3, micro_batch=1)
-    freed = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, frees_grads=True)
-    kept = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, frees_grads=False)
+    freed = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, stack=Stack())
+    kept = stage_memory(model, one, shape, 0, 2, "flash", 80 * 2**30, stack=MEGATRON)
     assert freed.shared == pytest.approx(min(freed.grads, freed.activations + freed.logits)) and freed.shared > 0
     assert freed.total < kept.total and kept.shared == 0
     accumulating = stage_memory(model, Layout(dp_shard=4, zero=3, micro_batch=1, dp_replicate=1), shape, 0, 2,
-                                "flash", 80 * 2**30, frees_grads=True)
+                                "flash", 80 * 2**30, stack=Stack())
     ddp = stage_memory(model, Layout(dp_replicate=8, micro_batch=1), shape, 0, 2, "flash", 80 * 2**30,
-                       frees_grads=True)
+                       stack=Stack())
     assert accumulating.shared == 0 and ddp.shared == 0
+
+
+def test_dtensor_sequence_parallelism_keeps_the_gathered_inputs():
+    """DTensor all-gathers the q/k/v and MLP inputs and autograd keeps the gathered tensor
+    for the weight gradient, so ember's sequence parallelism shards the norms' share only;
+    Megatron-LM keeps its slice and gathers again in backward (Korthikanti's (sbh/t)·34)."""
+    h, t = GPT.hidden, 4
+    layout = Layout(tp=t, sp=True)
+    megatron = activation_bytes_per_token(GPT, 2048, layout, "flash", MEGATRON)
+    dtensor = activation_bytes_per_token(GPT, 2048, layout, "flash", Stack())
+    assert dtensor - megatron == pytest.approx((2 * h + 2 * h) * (1 - 1 / t))

@@ -88,6 +88,9 @@ class Stack:
     # and made again in backward, in the room freed activations leave, rather than kept in
     # a persistent buffer (Megatron-LM's and DeepSpeed's contiguous gradient buffers).
     frees_grads: bool = True
+    # Whether sequence parallelism keeps the all-gathered inputs of the column-parallel
+    # projections for backward (DTensor: ember, torchtitan) or gathers again (Megatron-LM).
+    sp_keeps_gathered: bool = True
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

@@ -31,9 +31,15 @@ from dataclasses import dataclass, replace
 
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
 from ember.layout import Layout
+from ember.plan.cluster import Stack
 from ember.plan.layout import TrainShape
 
 GIB = 2**30
+# What memory assumes of software it is not told about: Megatron-LM's habits (its selective
+# recomputation, an unfused loss, persistent gradient buffers, sequence parallelism that
+# gathers again in backward).
+MEGATRON = Stack(name="megatron", selective="attention", fused_loss=False, frees_grads=False,
+                 sp_keeps_gathered=False)
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weight, Adam's first and second moment
 RUNTIME_BYTES = 1.0 * GIB  # CUDA context, cuBLAS and NCCL workspaces, outside the allocator
@@ -87,21 +93,25 @@ def stage_params(model, layout: Layout, stage: int) -> float:
 
 
 def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: str,
-                               policy: str = "selective-attention") -> float:
-    """Bytes one layer keeps per token of a micro-batch until its backward pass. `policy`
-    names what selective recomputation reruns (`Stack.recompute_policy`): Megatron's
-    attention core by default, or ember's elementwise work ("selective")."""
+                               stack: Stack = MEGATRON) -> float:
+    """Bytes one layer keeps per token of a micro-batch until its backward pass, as `stack`
+    runs it: what its selective recomputation reruns (Megatron's attention core, ember's
+    elementwise work), and whether its sequence parallelism keeps the gathered inputs."""
     h, kv, f, t = model.hidden, kv_hidden(model), model.mlp_hidden, layout.tp
     mask = 1 if model.dropout else 0
     split_norms = t if layout.sp else 1
     if layout.recompute == "full":
         return 2 * h / split_norms
-    if layout.recompute == "selective" and policy == "selective" and attention == "flash":
+    if stack.recompute_policy(layout.recompute) == "selective" and attention == "flash":
         return _kept_matmul_outputs(model, layout)
-    replicated = 4 * h + 2 * h + 2 * h + 2 * mask * h
+    norms, inputs = 4 * h + 2 * mask * h, 2 * h + 2 * h  # norm inputs and masks; q/k/v and MLP inputs
+    # DTensor's sequence parallelism all-gathers the q/k/v and MLP inputs and autograd keeps
+    # the whole gathered tensor for the weight gradient; Megatron-LM keeps its slice and
+    # gathers again in backward.
+    gathered_split = 1 if layout.sp and stack.sp_keeps_gathered else split_norms
     attention_part = 2 * h + 4 * kv + 2 * h
     mlp_part = (6 * f) if gated(model) else (4 * f)
-    per_token = replicated / split_norms + (attention_part + mlp_part) / t
+    per_token = norms / split_norms + inputs / gathered_split + (attention_part + mlp_part) / t
     if attention == "flash":
         per_token += 4 * model.heads / t
     elif layout.recompute == "none":
@@ -125,16 +135,15 @@ def _kept_matmul_outputs(model, layout: Layout) -> float:
     return 2 * h / t + sharded / t + 2 * (2 * h + 2 * h / t) + 2 * (2 * h)
 
 
-def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str,
-                           policy: str = "selective-attention") -> float:
+def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str, stack: Stack = MEGATRON) -> float:
     """Bytes per token a layer keeps on average when only some layers are recomputed
     (`recompute_every`): the covered share keeps the policy's, the rest everything."""
     covered = layout.recomputed_fraction(model.layers)
-    kept = activation_bytes_per_token(model, seq_len, layout, attention, policy)
+    kept = activation_bytes_per_token(model, seq_len, layout, attention, stack)
     if covered in (0.0, 1.0):
         return kept
     return covered * kept + (1 - covered) * activation_bytes_per_token(model, seq_len, _no_recompute(layout),
-                                                                        attention)
+                                                                        attention, stack)
 
 
 def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
@@ -190,14 +199,12 @@ class Memory:
 
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
                  attention: str, capacity: float, runtime: float = RUNTIME_BYTES,
-                 policy: str = "selective-attention", fused_loss: bool = False, frees_grads: bool = False) -> Memory:
+                 stack: Stack = MEGATRON) -> Memory:
     """Memory of one GPU of pipeline rank `stage`. `shape.precision` "fp32" (a CPU run, or
     a GPU without autocast) keeps 4-byte weights, gradients and activations and no master
     copy (Adam's two moments only); `runtime` is what the device holds outside the program;
-    `policy`: what selective recomputation reruns (`Stack.recompute_policy`); `fused_loss`:
-    the loss runs over chunks of tokens with the output layer (`Stack.fused_loss`), which
-    ember's model does where the vocabulary is not split over tensor-parallel ranks;
-    `frees_grads`: gradients are freed after every step (`Stack.frees_grads`)."""
+    `stack`: the software's habits that change memory (`Stack`: selective recomputation,
+    a fused loss, gradients freed every step, sequence parallelism's gathered inputs)."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
     shard = layout.dp_shard
@@ -211,14 +218,14 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
     tokens = s * b
-    kept = layer_activation_bytes(model, s, layout, attention, policy)
+    kept = layer_activation_bytes(model, s, layout, attention, stack)
     acts = in_flight(layout, m, stage) * layers * tokens * kept
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     acts *= width
     logits = 0.0
     vocab_t = model.padded_vocab / t
-    chunked = fused_loss and t == 1
+    chunked = stack.fused_loss and t == 1
     predicted = tokens * model.predicted_fraction
     if output and chunked:  # the gradients the fused loss hands to backward (fp32), final norm input
         h = model.hidden
@@ -228,15 +235,20 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     # Transients, the largest one at a time: recomputing one layer's activations (full
     # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
     # intermediate; plus communication buffers.
-    full_layer = width * tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention)
+    full_layer = width * tokens * activation_bytes_per_token(model, s, _no_recompute(layout), attention, stack)
     # The loss's logits and their gradient: the micro-batch's, or one chunk's (model/loss.py).
+    # ember's vocabulary-parallel loss is PyTorch's cross-entropy under DTensor's
+    # loss_parallel, which raises the peak by four fp32 copies of the (sharded) logits
+    # (measured on CPU: 0.98 GiB for 4,096 tokens x 16,000 words per rank); Megatron-LM's
+    # fused vocabulary-parallel cross-entropy works in place.
     rows = chunk_tokens(predicted, model.padded_vocab, model.hidden) if chunked else predicted
-    loss = rows * vocab_t * (8 if fp32 else 6) if output else 0.0
+    per_logit = 16 if stack.fused_loss and not chunked else (8 if fp32 else 6)
+    loss = rows * vocab_t * per_logit if output else 0.0
     widest = width * tokens * 2 * (2 if gated(model) else 1) * model.mlp_hidden / t
     # Recomputation rebuilds one layer at a time: all of it (full), or what the selective
     # policy did not keep.
     rebuilt = {"none": 0.0, "full": full_layer}.get(
-        layout.recompute, full_layer - width * tokens * activation_bytes_per_token(model, s, layout, attention, policy))
+        layout.recompute, full_layer - width * tokens * activation_bytes_per_token(model, s, layout, attention, stack))
     transient = max(rebuilt, loss, widest)
     if fp32:
         # ember's CPU optimizer is the unfused AdamW: it makes two temporaries the size of
@@ -256,7 +268,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     # With one micro-batch on one stage nothing runs forward while gradients exist: backward
     # makes them as it frees the activations (unless DDP keeps them in its buckets).
     alone = m == 1 and layout.pp == 1 and not (layout.zero == 0 and layout.dp > 1)
-    shared = min(grads, acts + logits) if frees_grads and alone else 0.0
+    shared = min(grads, acts + logits) if stack.frees_grads and alone else 0.0
     held = weights + grads + optimizer + acts + logits + buffers - shared
     return Memory(weights, grads, optimizer, acts, logits, buffers, runtime, FRAGMENTATION * held,
                   stage, capacity, shared)
@@ -267,11 +279,11 @@ def _no_recompute(layout: Layout) -> Layout:
 
 
 def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, attention: str = "flash",
-           policy: str = "selective-attention", fused_loss: bool = False, frees_grads: bool = False) -> Memory:
+           stack: Stack = MEGATRON) -> Memory:
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
-    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, policy, fused_loss,
-                             frees_grads) for i in stages),
+    return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, stack)
+                for i in stages),
                key=lambda mem: mem.total)

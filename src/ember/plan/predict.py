@@ -244,8 +244,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "elementwise_s": m * work.elementwise, "launch_s": m * work.launch,
               "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
-    mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention, stack.recompute_policy(lo.recompute),
-                 stack.fused_loss, stack.frees_grads)
+    mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention, stack)
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
                       shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu))
