@@ -80,9 +80,10 @@ class Stack:
     # Share of the GPU table's FlashAttention rate this stack's attention kernel reaches
     # (a fused kernel only; unfused attention runs as matmuls at `kernel_eff`).
     attention_eff: float = 1.0
-    # Whether the loss runs fused with the output layer, over chunks of tokens (ember's
-    # model/loss.py, where the vocabulary is not split over tensor-parallel ranks): the
-    # fp32 logits of the micro-batch never exist, only one chunk's and the gradients.
+    # ember's loss: fused with the output layer over chunks of tokens (model/loss.py) where
+    # the vocabulary is not split over tensor-parallel ranks, so the micro-batch's fp32
+    # logits never exist; where it is split, PyTorch's cross-entropy under loss_parallel.
+    # False: Megatron-LM's fused vocabulary-parallel cross-entropy, which works in place.
     fused_loss: bool = True
     # Whether gradients are freed after every optimizer step (zero_grad(set_to_none=True))
     # and made again in backward, in the room freed activations leave, rather than kept in
