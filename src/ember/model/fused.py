@@ -45,14 +45,12 @@ class _FusedLinear(torch.autograd.Function):
         flat = grad.reshape(-1, grad.shape[-1])
         grad_x = None
         if ctx.needs_input_grad[0]:
-            # Layer by layer, not against the concatenated weight: a backward that needs the
-            # concatenation lets torch.compile keep the forward's copy alive until backward,
-            # in every layer (and under ZeRO-3, gathered weights it means to free).
-            pieces = flat.split(rows, dim=1)
-            grad_x = pieces[0] @ weights[0].to(x.dtype)
-            for piece, weight in zip(pieces[1:], weights[1:]):
-                grad_x = grad_x.addmm(piece, weight.to(x.dtype))
-            grad_x = grad_x.view(x.shape)
+            # One matmul against the weights joined again, and joined differently from the
+            # forward's (columns of the transposes): were it the same expression, torch.compile
+            # would merge the two and keep the forward's copy alive until backward, in every
+            # layer (and under ZeRO-3, gathered weights it means to free).
+            joined = torch.cat([w.to(x.dtype).t() for w in weights], dim=1)
+            grad_x = (flat @ joined.t()).view(x.shape)
         grad_weights = [None] * ctx.count
         if any(ctx.needs_input_grad[2:2 + ctx.count]):
             grad_weights = (flat.t() @ x.reshape(-1, x.shape[-1])).split(rows)
