@@ -33,13 +33,13 @@ from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
 from ember.layout import Layout
 from ember.plan.cluster import Stack
 from ember.plan.layout import TrainShape
+from ember.plan.stacks import STACKS
 
 GIB = 2**30
 # What memory assumes of software it is not told about: Megatron-LM's habits (its selective
 # recomputation, an unfused loss, persistent gradient buffers, sequence parallelism that
 # gathers again in backward).
-MEGATRON = Stack(name="megatron", selective="attention", fused_loss=False, frees_grads=False,
-                 sp_keeps_gathered=False)
+MEGATRON = STACKS["megatron"]
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weight, Adam's first and second moment
 RUNTIME_BYTES = 1.0 * GIB  # CUDA context, cuBLAS and NCCL workspaces, outside the allocator
