@@ -19,6 +19,7 @@ from ember.plan.timing import (
     KERNEL_S,
     Work,
     embed_times,
+    fused_softmax,
     head_times,
     layer_kernel_count,
     layer_times,
@@ -168,7 +169,7 @@ def test_tensor_parallel_collectives_are_host_calls():
     silent = stack("deepspeed", host_s_per_kernel=0.0)
     gpu_only = _stage_work(tiny, dataclasses.replace(eager, stack=silent), shape,
                            Layout(tp=2, micro_batch=1, recompute="full"), 0)
-    kernels = layer_kernel_count(tiny, eager.stack.attention)
+    kernels = layer_kernel_count(tiny, eager.stack.attention, fused_softmax(tiny, 1, 128, 2))
     # forward: each layer's kernels and two all-reduces; the host bounds this tiny pass
     host_fwd, p = 2 * (kernels + 2) * eager.stack.host_s_per_kernel, HOST_OVERLAP_POWER
     assert host_fwd > gpu_only[0].total
@@ -210,3 +211,31 @@ def test_each_stack_reruns_what_its_selective_recomputation_reruns():
     assert rerun["selective"].matmul == 0 and rerun["selective"].attention == 0
     assert rerun["selective-half-matmul"].matmul == pytest.approx(rerun["full"].matmul / 2)
     assert rerun["selective-half-matmul"].attention == 0 < rerun["full"].attention
+
+
+def test_megatron_softmax_falls_back_where_its_fused_kernel_does_not_exist():
+    """Megatron-LM's fused causal softmax needs the micro-batch's score matrices per rank
+    (batch x heads/tp) in multiples of 4: a 16-head model at tp=8 and micro-batch 1 (two
+    matrices) runs PyTorch's five fp32 kernels instead, and pays for them in host calls and
+    bytes. Measured (vTrain, Megatron-DeepSpeed): those runs alone were 36-50% slower than
+    the fused-kernel pricing."""
+    gpt = PRESETS["gpt2-small"].with_shape(layers=2, hidden=1024, heads=16, mlp_hidden=4096)
+    assert fused_softmax(gpt, 1, 1024, 4) and fused_softmax(gpt, 2, 1024, 8)
+    assert not fused_softmax(gpt, 1, 1024, 8)
+    assert not fused_softmax(gpt, 4, 8192, 1)  # beyond the kernel's 4,096 keys
+    assert not fused_softmax(gpt, 4, 1022, 1)  # keys not a multiple of 4
+    # Short rows pack two per warp: 8 matrices per block at 64 keys, so 4 is not enough.
+    assert not fused_softmax(gpt.with_shape(heads=4), 1, 64, 1) and fused_softmax(gpt, 1, 64, 2)
+    assert layer_kernel_count(gpt, "unfused", False) == layer_kernel_count(gpt, "unfused", True) + 4
+    assert layer_kernel_count(gpt, "flash", False) == layer_kernel_count(gpt, "flash", True)
+    fused = layer_times(gpt, A100, LINKS, 1024, 2, 8, False, "none", "unfused")
+    fallback = layer_times(gpt, A100, LINKS, 1024, 1, 8, False, "none", "unfused")
+    # Half the tokens, yet more elementwise time: the fp32 fallback moves 9x the softmax bytes.
+    assert fallback.forward.elementwise > fused.forward.elementwise
+    assert fallback.forward.launch == fused.forward.launch + 4 * KERNEL_S
+    deepspeed = make_cluster("A100-80GB", 8, stack=stack("deepspeed"))
+    shape = TrainShape(1024, 8)
+    one, two = (predict(gpt, deepspeed, shape, Layout(tp=8, micro_batch=b, recompute="full")) for b in (1, 2))
+    # Host-bound, so twice the micro-batches take about twice as long (1.9x with the fused
+    # kernel priced everywhere); the fallback's extra calls make each dearer still.
+    assert one.step_time_s > 2.1 * two.step_time_s

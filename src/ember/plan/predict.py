@@ -47,6 +47,7 @@ from ember.plan.timing import (
     BACKWARD_KERNELS,
     Work,
     embed_times,
+    fused_softmax,
     head_times,
     layer_kernel_count,
     layer_times,
@@ -114,7 +115,8 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     fwd, bwd = layers.forward * n, layers.backward * n + layers.recompute * again
     # Host calls per layer: its kernels, and its tensor-parallel collectives (each a
     # torch.distributed call that costs the host about as much as a launch).
-    kernels, calls = layer_kernel_count(model, stack.attention), tp_collectives(lo)
+    softmax_fused = fused_softmax(model, lo.micro_batch, shape.seq_len, lo.tp)
+    kernels, calls = layer_kernel_count(model, stack.attention, softmax_fused), tp_collectives(lo)
     rerun = kernels + (calls if lo.recompute == "full" else 0)
     fwd_kernels = n * (kernels + calls)
     bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun

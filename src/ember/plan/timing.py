@@ -31,7 +31,9 @@ shape of the FlashAttention-2 paper's A100 curves. Causal attention computes hal
 s x s square. The backward pass does
 2.5x the forward FLOPs (it recomputes the scores). The unfused path (before FlashAttention)
 runs Q·Kᵀ and P·V as batched GEMMs and moves the s x s scores through HBM for the softmax
-and its dropout.
+and its dropout. Megatron-LM's fused scale-mask-softmax kernel reads and writes the 2-byte
+scores once; it exists only for some shapes (`fused_softmax`), and elsewhere Megatron falls
+back to five PyTorch kernels in fp32: cast, scale, mask, softmax, cast back.
 
 Elementwise work (norms, residual adds, activation functions, dropout, rotary embedding,
 the loss, the embedding lookup and its dense gradient) is priced by bytes moved at `hbm_eff`
@@ -69,6 +71,8 @@ LOSS_FWD_BYTES = 38
 LOSS_BWD_BYTES = 14
 LOSS_KERNELS = (9, 6)
 EMBED_KERNELS = (1, 5)
+UNFUSED_SOFTMAX_BYTES = (36, 40)  # forward, backward, per score element (see _attention_core)
+UNFUSED_SOFTMAX_KERNELS = 5
 
 
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1) -> float:
@@ -130,6 +134,20 @@ class LayerTimes:
     recompute: Work  # what checkpointing reruns before the backward pass
 
 
+def fused_softmax(model, b: int, s: int, t: int) -> bool:
+    """Whether Megatron-LM's fused scale-mask-softmax kernel takes a micro-batch of `b`
+    sequences of `s` tokens with the heads split `t` ways (FusedScaleMaskSoftmax.
+    is_kernel_available): 16 < s <= 4096, s a multiple of 4, and the b x heads/t score
+    matrices a multiple of 4 and of the kernel's batches per block (a causal mask), or s a
+    multiple of that (a padding mask). A 16-head model at tp=8 and micro-batch 1 falls back."""
+    batches = b * model.heads // t
+    if not (16 < s <= 4096 and s % 4 == 0 and batches % 4 == 0):
+        return False
+    width = 1 << (s - 1).bit_length()  # the kernel's per-row width: the next power of two
+    per_block = (128 // min(width, 32)) * (2 if width <= 128 else 1)
+    return (batches if model.causal else s) % per_block == 0
+
+
 def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: int = 1) -> tuple[Work, Work]:
     """Forward and backward of softmax(Q·Kᵀ)·V for one micro-batch on one GPU."""
     heads, d = model.heads // t, model.head_dim
@@ -142,8 +160,12 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: i
     values = matmul_s(s, d, s, gpu, n)
     mask = 1 if model.dropout else 0
     elems = n * s * s
-    fwd_bytes = elems * (4 + 5 * mask) * width  # scale-mask-softmax in and out; dropout in, out, mask
-    bwd_bytes = elems * (6 + 5 * mask) * width
+    # Fused: the 2-byte scores in and probabilities out (backward: probabilities and gradient
+    # in, gradient out). Fallback, in fp32: cast (2 + 4), scale (4 + 4), mask (4 + 4), softmax
+    # (4 + 4), cast back (4 + 2); backward about as much again. Dropout: in, out, mask.
+    softmax_fwd, softmax_bwd = (4, 6) if fused_softmax(model, b, s, t) else UNFUSED_SOFTMAX_BYTES
+    fwd_bytes = elems * (softmax_fwd + 5 * mask) * width
+    bwd_bytes = elems * (softmax_bwd + 5 * mask) * width
     fwd = Work(matmul=scores + values, elementwise=memory_s(fwd_bytes, gpu))
     bwd = Work(matmul=2 * (scores + values), elementwise=memory_s(bwd_bytes, gpu))
     return fwd, bwd
@@ -183,8 +205,9 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
         else:
             tp_fwd = 2 * comm.all_reduce_s(activation, group, links)
 
-    core_kernels = core_kernel_count(model, attention)
-    kernels = layer_kernel_count(model, attention)
+    softmax_fused = fused_softmax(model, mbs, seq, tp)
+    core_kernels = core_kernel_count(model, attention, softmax_fused)
+    kernels = layer_kernel_count(model, attention, softmax_fused)
     forward = Work(matmul=fwd_mm, elementwise=elem_fwd, tp_comm=tp_fwd, launch=kernels * KERNEL_S) + core_fwd
     backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd, tp_comm=tp_fwd,
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
@@ -201,19 +224,21 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     return LayerTimes(forward, backward, again)
 
 
-def core_kernel_count(model, attention: str) -> int:
-    """Kernels of the attention core's forward: one fused kernel, or Q·Kᵀ, the fused
-    scale-mask-softmax, the dropout of the probabilities and P·V."""
-    return 1 if attention == "flash" else 3 + (1 if model.dropout else 0)
+def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
+    """Kernels of the attention core's forward: one fused kernel, or Q·Kᵀ, the softmax (one
+    fused kernel or the five of the fallback), the dropout of the probabilities and P·V."""
+    if attention == "flash":
+        return 1
+    return 2 + (1 if softmax_fused else UNFUSED_SOFTMAX_KERNELS) + (1 if model.dropout else 0)
 
 
-def layer_kernel_count(model, attention: str) -> int:
+def layer_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
     """Compute kernels of one block's forward as fused training stacks launch them: two norms,
     four weight matmuls (gate and up are one), the activation, two fused bias-dropout-residual
     adds, the rotary embedding of Q and K, and the attention core. Its backward launches about
     twice as many (input and weight gradient of every matmul, two passes per norm)."""
     rotary = 2 if model.positions == "rotary" else 0
-    return 2 + 4 + 1 + 2 + rotary + core_kernel_count(model, attention)
+    return 2 + 4 + 1 + 2 + rotary + core_kernel_count(model, attention, softmax_fused)
 
 
 @lru_cache(maxsize=4096)
