@@ -147,6 +147,46 @@ def zero3_scaling() -> list[str]:
     return lines
 
 
+def layer_sweep(records: list[dict]) -> list[str]:
+    """What vTrain's layer sweep says about the structure of the step: each layout was run
+    at 12, 16, 20 and 24 layers, so step time = per-step + per-micro-batch + per-layer parts
+    separates. From the 12- and 24-layer runs, the time per added layer and the rest (the
+    intercept), measured and predicted; the intercept's part that grows with the number of
+    micro-batches m (a line through the layouts that differ only in global batch) is the
+    cost per micro-batch outside the layers. Medians over layouts, by tensor-parallel size."""
+    runs: dict[tuple, dict[int, dict]] = {}
+    for r in records:
+        run, lo = r["run"], r["prediction"].layout
+        key = (run.cluster.n_gpus, run.shape.global_batch, lo.micro_batch, lo.tp, lo.dp_replicate, lo.pp,
+               run.model.hidden)
+        runs.setdefault(key, {})[run.model.layers] = r
+    lines: dict[tuple, list[tuple[int, float, float]]] = {}
+    slopes: dict[int, list[float]] = {}
+    for key, by_layers in runs.items():
+        if 12 not in by_layers or 24 not in by_layers:
+            continue
+        (a, b), m = (by_layers[12], by_layers[24]), by_layers[12]["prediction"].detail["micro_batches"]
+        step = [[x["run"].shape.tokens / (x["run"].measured * x["run"].cluster.n_gpus), x["prediction"].step_time_s]
+                for x in (a, b)]
+        slope = [(step[1][i] - step[0][i]) / 12 for i in (0, 1)]
+        intercept = [step[0][i] - 12 * slope[i] for i in (0, 1)]
+        slopes.setdefault(key[3], []).append(slope[0] / slope[1])
+        lines.setdefault(key[2:], []).append((m, intercept[0] - intercept[1]))
+    per_mb: dict[int, list[float]] = {}
+    for key, points in lines.items():
+        if len({m for m, _ in points}) < 2:
+            continue
+        mx, my = statistics.fmean(m for m, _ in points), statistics.fmean(d for _, d in points)
+        b = sum((m - mx) * (d - my) for m, d in points) / sum((m - mx) ** 2 for m, _ in points)
+        per_mb.setdefault(key[1], []).append(b)
+    out = ["vTrain layer sweep (12 vs 24 layers), medians over layouts:",
+           f"{'tp':>4}{'per layer, measured/predicted':>31}{'per micro-batch, measured - predicted':>39}"]
+    for tp in sorted(slopes):
+        extra = f"{1e3 * statistics.median(per_mb[tp]):+.1f} ms" if tp in per_mb else "-"
+        out.append(f"{tp:>4}{statistics.median(slopes[tp]):>31.3f}{extra:>39}")
+    return out
+
+
 def fmt(s: dict) -> str:
     if not s.get("rows"):
         return "no rows"
@@ -171,7 +211,9 @@ def report(results: list[dict], seconds: float) -> str:
     lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of all sets:")
     for k, (p10, p90, n) in interval_table(results).items():
         lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows)")
-    lines += [""] + zero3_scaling() + ["", "rows of the first two sets:"]
+    vtrain = next((res for res in results if res["name"] == "vtrain"), None)
+    lines += [""] + zero3_scaling() + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
+    lines += ["", "rows of the first two sets:"]
     for res in results[:2]:
         for r in res["records"]:
             run, p = r["run"], r["prediction"]

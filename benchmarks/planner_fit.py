@@ -5,9 +5,12 @@
 Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff` and
 `attention_eff` (stacks with a fused attention kernel) together, then `host_s_per_kernel`,
 are chosen on a grid to minimise the median |log(predicted/measured)| of that stack's
-fitted rows; COMM_SLOWDOWN (plan/overlap.py) and HOST_OVERLAP_POWER (plan/predict.py) are
-shared by all stacks and chosen the same way over all fitted rows, each set weighted
-equally. Coordinate descent, until a round changes nothing (at most eight). Prints the
+fitted rows (for the stacks in PER_MICRO_BATCH, `host_s_per_kernel` together with
+`host_s_per_micro_batch`: only their rows sweep the layer count at a fixed layout, which
+separates a cost per micro-batch from one per layer); COMM_SLOWDOWN (plan/overlap.py) and
+HOST_OVERLAP_POWER (plan/predict.py) are shared by all stacks and chosen the same way over
+all fitted rows, each set weighted equally. Coordinate descent, until a round changes nothing
+(at most eight). Prints the
 values; they are copied by hand into plan/stacks.py, plan/overlap.py and plan/predict.py,
 with the output committed under benchmarks/results/.
 """
@@ -29,6 +32,8 @@ from ember.plan import overlap, predict
 KERNEL_EFF = [round(0.55 + 0.025 * i, 3) for i in range(21)]
 ATTENTION_EFF = [round(0.3 + 0.05 * i, 2) for i in range(17)]
 HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 45e-6, 50e-6, 55e-6, 60e-6, 65e-6, 70e-6, 80e-6, 100e-6]
+MICRO_BATCH_S = [0.0, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3]
+PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
 
@@ -60,7 +65,8 @@ def main() -> int:
     print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
     first = {n: next(r for r in runs if r.cluster.stack.name == n).cluster.stack for n in names}
     values = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff,
-                  "host_s_per_kernel": s.host_s_per_kernel} for n, s in first.items()}
+                  "host_s_per_kernel": s.host_s_per_kernel, "host_s_per_micro_batch": s.host_s_per_micro_batch}
+              for n, s in first.items()}
     for round_ in range(8):
         before = (repr(values), overlap.COMM_SLOWDOWN, predict.HOST_OVERLAP_POWER)
         for name in names:
@@ -73,8 +79,11 @@ def main() -> int:
                                                                                     "attention_eff": ka[1]}))
                                                     for r in mine]))
             values[name] |= {"kernel_eff": k, "attention_eff": a}
-            values[name]["host_s_per_kernel"] = min(HOST_S, key=lambda v: score(
-                [with_stack(r, **(values[name] | {"host_s_per_kernel": v})) for r in mine]))
+            hosts = [(v, c) for v in HOST_S for c in (MICRO_BATCH_S if name in PER_MICRO_BATCH else [0.0])]
+            v, c = min(hosts, key=lambda vc: score(
+                [with_stack(r, **(values[name] | {"host_s_per_kernel": vc[0], "host_s_per_micro_batch": vc[1]}))
+                 for r in mine]))
+            values[name] |= {"host_s_per_kernel": v, "host_s_per_micro_batch": c}
         current = [with_stack(r, **values[r.cluster.stack.name]) for r in runs]
         slow = []
         for v in SLOWDOWN:
@@ -89,7 +98,8 @@ def main() -> int:
         print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
               f"HOST_OVERLAP_POWER {predict.HOST_OVERLAP_POWER}; "
               + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
-                          f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us"
+                          f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
+                          f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms"
                           for n, v in values.items()) + f"; score {min(powers)[0]:.4f}", flush=True)
         if (repr(values), overlap.COMM_SLOWDOWN, predict.HOST_OVERLAP_POWER) == before:
             break

@@ -160,13 +160,13 @@ def test_an_eager_host_bounds_a_pass_softly():
 def test_tensor_parallel_collectives_are_host_calls():
     """Each tensor-parallel collective is a torch.distributed call the host must issue: a
     host-bound stack's pass grows with them even where the GPU work would not."""
-    eager = make_cluster("A100-80GB", 8, stack=stack("deepspeed"))
+    eager = make_cluster("A100-80GB", 8, stack=stack("deepspeed", host_s_per_micro_batch=0.0))
     tiny = PRESETS["gpt2-small"].with_shape(layers=2, hidden=256, heads=4, mlp_hidden=1024)
     shape = TrainShape(128, 8)
     assert tp_collectives(Layout(tp=2)) == 2 and tp_collectives(Layout(tp=2, sp=True)) == 4
     assert tp_collectives(Layout()) == 0
     counted = _stage_work(tiny, eager, shape, Layout(tp=2, micro_batch=1, recompute="full"), 0)
-    silent = stack("deepspeed", host_s_per_kernel=0.0)
+    silent = stack("deepspeed", host_s_per_kernel=0.0, host_s_per_micro_batch=0.0)
     gpu_only = _stage_work(tiny, dataclasses.replace(eager, stack=silent), shape,
                            Layout(tp=2, micro_batch=1, recompute="full"), 0)
     kernels = layer_kernel_count(tiny, eager.stack.attention, fused_softmax(tiny, 1, 128, 2))
@@ -239,3 +239,18 @@ def test_megatron_softmax_falls_back_where_its_fused_kernel_does_not_exist():
     # Host-bound, so twice the micro-batches take about twice as long (1.9x with the fused
     # kernel priced everywhere); the fallback's extra calls make each dearer still.
     assert one.step_time_s > 2.1 * two.step_time_s
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_host_work_per_micro_batch_is_paid_on_every_stage_and_not_hidden(pp):
+    """A stack that syncs with the GPU once per micro-batch (Megatron-LM's get_batch) pays
+    its per-micro-batch host work outright, on every stage: m times in a plain loop, and
+    m + p - 1 times through a 1F1B pipeline's fill and drain."""
+    gpt = PRESETS["gpt2-small"].with_shape(layers=4, hidden=1024, heads=16, mlp_hidden=4096)
+    shape, lo = TrainShape(1024, 8), Layout(pp=pp, micro_batch=2, recompute="full")
+    base = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=0.0))
+    paying = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=2e-3))
+    m = lo.micro_batches(shape.global_batch)
+    extra = predict(gpt, paying, shape, lo).step_time_s - predict(gpt, base, shape, lo).step_time_s
+    assert extra == pytest.approx((m + pp - 1) * 2e-3, rel=1e-6)
+    assert stack("deepspeed").host_s_per_micro_batch > 0 and stack("ember").host_s_per_micro_batch == 0

@@ -71,6 +71,12 @@ class Stack:
     # kernels and collectives (eager DTensor dispatch; tune/host_cost.py measures it when
     # `ember plan calibrate` runs under torchrun). 0 where unmeasured.
     tp_host_s_per_layer: float = 0.0
+    # Host time every micro-batch costs each stage outside its kernels, with the GPU idle:
+    # a framework that syncs with the device once per micro-batch (Megatron-LM's get_batch
+    # copies the batch's sizes to the host) loses the host's lead there, and the GPU waits
+    # while Python fetches the batch, builds masks and does the engine's bookkeeping. 0 for
+    # ember, whose loop has no per-micro-batch sync.
+    host_s_per_micro_batch: float = 0.0
     # Whether the host issues work while the device computes (a GPU), or shares its cores
     # with the compute so that their times add (a CPU; a calibrated CPU profile says so).
     host_overlaps: bool = True

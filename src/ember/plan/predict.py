@@ -138,7 +138,9 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)
                           / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
-    return _as_run(fwd, fwd_kernels, stack, fwd_host), _as_run(bwd, bwd_kernels, stack, bwd_host)
+    # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
+    between = Work(launch=stack.host_s_per_micro_batch)
+    return _as_run(fwd, fwd_kernels, stack, fwd_host) + between, _as_run(bwd, bwd_kernels, stack, bwd_host)
 
 
 def tp_collectives(lo: Layout) -> int:

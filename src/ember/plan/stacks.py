@@ -23,7 +23,9 @@ Three figures per stack are fitted on the fitted rows of the public sets
 GPU table's matmul rate the stack's kernels reach end to end; `attention_eff`, the share of
 the table's FlashAttention rate its fused attention kernel reaches (stacks with one); and
 `host_s_per_kernel`, the host time per call it issues (a kernel, or a tensor-parallel
-collective) that bounds small passes (plan/predict.py: _as_run). ember's are not fitted
+collective) that bounds small passes (plan/predict.py: _as_run). DeepSpeed's also has a
+fourth, `host_s_per_micro_batch`: the host work around its per-micro-batch sync, which
+only vTrain's layer sweep separates from the per-call time (the others keep 0). ember's are not fitted
 to other software: its kernel_eff and attention_eff are 1 (its rates are what `ember plan
 calibrate` measures) and its host time is that of eager PyTorch with fused blocks.
 """
@@ -35,7 +37,8 @@ from dataclasses import replace
 from ember.config import ConfigError
 from ember.plan.cluster import Stack
 
-# kernel_eff, attention_eff and host_s_per_kernel of every stack but ember's: fitted
+# kernel_eff, attention_eff and host_s_per_kernel (and deepspeed's host_s_per_micro_batch)
+# of every stack but ember's: fitted
 # (benchmarks/results/2026-11-25-planner-fit.txt). Megatron-LM's selective recomputation
 # (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
 # every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
@@ -53,6 +56,7 @@ STACKS: dict[str, Stack] = {
                            sp_keeps_gathered=False),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
                        overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=55e-6,
+                       host_s_per_micro_batch=1.5e-3,
                        kernel_eff=1.05, selective="attention", fused_loss=False, frees_grads=False,
                        sp_keeps_gathered=False),
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
