@@ -7,10 +7,10 @@ Held-out groups (planner_sets.Run.held_out) never enter. Per stack, `kernel_eff`
 are chosen on a grid to minimise the median |log(predicted/measured)| of that stack's
 fitted rows (for the stacks in PER_MICRO_BATCH, `host_s_per_kernel` together with
 `host_s_per_micro_batch`: only their rows sweep the layer count at a fixed layout, which
-separates a cost per micro-batch from one per layer); COMM_SLOWDOWN (plan/overlap.py) and
-HOST_OVERLAP_POWER (plan/predict.py) are shared by all stacks and chosen the same way over
-all fitted rows, each set weighted equally. Coordinate descent, until a round changes nothing
-(at most eight). Prints the
+separates a cost per micro-batch from one per layer); COMM_SLOWDOWN (plan/overlap.py) is
+shared by all stacks and chosen the same way over all fitted rows, each set weighted
+equally. Coordinate descent, until a round changes nothing (at most eight), once for every
+HOST_OVERLAP_POWER (plan/predict.py) on its grid; the power with the best score wins. Prints the
 values; they are copied by hand into plan/stacks.py, plan/overlap.py and plan/predict.py,
 with the output committed under benchmarks/results/.
 """
@@ -32,7 +32,7 @@ from ember.plan import overlap, predict
 KERNEL_EFF = [round(0.55 + 0.025 * i, 3) for i in range(21)]
 ATTENTION_EFF = [round(0.3 + 0.05 * i, 2) for i in range(17)]
 HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 45e-6, 50e-6, 55e-6, 60e-6, 65e-6, 70e-6, 80e-6, 100e-6]
-MICRO_BATCH_S = [0.0, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3]
+MICRO_BATCH_S = [0.0, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3]
 PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
@@ -59,16 +59,12 @@ def score(runs: list) -> float:
     return statistics.fmean(statistics.median(v) for v in by_set.values())
 
 
-def main() -> int:
-    runs = fitted_runs()
-    names = sorted({r.cluster.stack.name for r in runs})
-    print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
-    first = {n: next(r for r in runs if r.cluster.stack.name == n).cluster.stack for n in names}
-    values = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff,
-                  "host_s_per_kernel": s.host_s_per_kernel, "host_s_per_micro_batch": s.host_s_per_micro_batch}
-              for n, s in first.items()}
+def fit_stacks(runs: list, names: list, first: dict, values: dict) -> float:
+    """Coordinate descent over the stacks' constants and COMM_SLOWDOWN at the current
+    HOST_OVERLAP_POWER, until a round changes nothing (at most eight); returns the score."""
+    best = math.inf
     for round_ in range(8):
-        before = (repr(values), overlap.COMM_SLOWDOWN, predict.HOST_OVERLAP_POWER)
+        before = (repr(values), overlap.COMM_SLOWDOWN)
         for name in names:
             mine = [r for r in runs if r.cluster.stack.name == name]
             # The kernel rates together (a stack's rows rarely separate matmul from attention
@@ -89,20 +85,39 @@ def main() -> int:
         for v in SLOWDOWN:
             overlap.COMM_SLOWDOWN = v
             slow.append((score(current), v))
-        overlap.COMM_SLOWDOWN = min(slow)[1]
-        powers = []
-        for v in HOST_POWER:
-            predict.HOST_OVERLAP_POWER = v
-            powers.append((score(current), v))
-        predict.HOST_OVERLAP_POWER = min(powers)[1]
-        print(f"round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
-              f"HOST_OVERLAP_POWER {predict.HOST_OVERLAP_POWER}; "
+        best, overlap.COMM_SLOWDOWN = min(slow)
+        print(f"  p {predict.HOST_OVERLAP_POWER} round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
               + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
                           f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
                           f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms"
-                          for n, v in values.items()) + f"; score {min(powers)[0]:.4f}", flush=True)
-        if (repr(values), overlap.COMM_SLOWDOWN, predict.HOST_OVERLAP_POWER) == before:
+                          for n, v in values.items()) + f"; score {best:.4f}", flush=True)
+        if (repr(values), overlap.COMM_SLOWDOWN) == before:
             break
+    return best
+
+
+def main() -> int:
+    runs = fitted_runs()
+    names = sorted({r.cluster.stack.name for r in runs})
+    print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
+    first = {n: next(r for r in runs if r.cluster.stack.name == n).cluster.stack for n in names}
+    start = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff,
+                 "host_s_per_kernel": s.host_s_per_kernel, "host_s_per_micro_batch": s.host_s_per_micro_batch}
+             for n, s in first.items()}
+    # HOST_OVERLAP_POWER trades against every stack's host time, so each power gets its own
+    # refit of everything else (descending one coordinate at a time from one power stays
+    # near it), and the best score wins.
+    results = []
+    for power in HOST_POWER:
+        predict.HOST_OVERLAP_POWER = power
+        values = {n: dict(v) for n, v in start.items()}
+        results.append((fit_stacks(runs, names, first, values), power, values, overlap.COMM_SLOWDOWN))
+    best, power, values, slowdown = min(results, key=lambda r: r[0])
+    print(f"best: HOST_OVERLAP_POWER {power}; COMM_SLOWDOWN {slowdown}; "
+          + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
+                      f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
+                      f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms"
+                      for n, v in values.items()) + f"; score {best:.4f}")
     return 0
 
 

@@ -55,7 +55,7 @@ from ember.plan.timing import (
 )
 
 ADAM_BYTES = 26
-HOST_OVERLAP_POWER = 2.0  # fitted (benchmarks/results/2026-11-25-planner-fit.txt); see _as_run
+HOST_OVERLAP_POWER = 4.0  # fitted (benchmarks/results/2026-11-25-planner-fit.txt); see _as_run
 
 
 @dataclass
@@ -158,7 +158,8 @@ def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Wor
     because the host only runs ahead while long kernels (the matmuls) execute and loses the
     lead on runs of short ones (norms, activations, collectives) and at every sync point. A
     soft maximum (host^p + GPU^p)^(1/p) with p = HOST_OVERLAP_POWER prices that: equal to
-    the larger term far from the crossover, √2 times it at the crossover for p = 2. Where
+    the larger term far from the crossover, 2^(1/p) times it at the crossover (1.19 for the
+    fitted p = 4). Where
     the host shares its cores with the compute (a CPU: `stack.host_overlaps` false) the
     two add. `extra_host_s`: host work beyond the calls (eager tensor parallelism's)."""
     if stack.kernel_eff != 1.0 or stack.attention_eff != 1.0:

@@ -19,10 +19,10 @@ from ember.layout import Layout
 
 # kind -> (p10, p90) of (predicted - measured) / measured on the public sets.
 ERROR_PERCENTILES: dict[str, tuple[float, float]] = {
-    "data": (-0.152, 0.013),  # 248 rows (2026-11-25-planner-accuracy.txt)
-    "pipeline": (-0.125, 0.033),  # 737 rows
-    "tensor": (-0.147, 0.052),  # 488 rows
-    "zero3": (-0.146, 0.081),  # 211 rows
+    "data": (-0.077, 0.066),  # 248 rows (2026-11-25-planner-accuracy.txt)
+    "pipeline": (-0.069, 0.092),  # 737 rows
+    "tensor": (-0.132, 0.121),  # 488 rows
+    "zero3": (-0.145, 0.083),  # 211 rows
 }
 
 # Best model-FLOPs utilisation published for dense bf16 training at scale, by GPU class:
