@@ -186,3 +186,28 @@ def test_dtensor_sequence_parallelism_keeps_the_gathered_inputs():
     megatron = activation_bytes_per_token(GPT, 2048, layout, "flash", MEGATRON)
     dtensor = activation_bytes_per_token(GPT, 2048, layout, "flash", Stack())
     assert dtensor - megatron == pytest.approx((2 * h + 2 * h) * (1 - 1 / t))
+
+
+def test_fsdp_gradients_are_reduced_block_by_block():
+    """ember's ZeRO-1 and ZeRO-2 are fully_shard without resharding: each block's gradients
+    are made whole and reduce-scattered while the next block's backward runs. So two blocks'
+    unsharded gradients are in flight, and ZeRO-1, which syncs only on the step's last
+    micro-batch, holds only shards when there is one micro-batch. Measured on this CPU
+    (benchmarks/memory_vs_plan.py, 0.54 B shape, two ranks, one micro-batch): ZeRO-1 and
+    ZeRO-2 peak at the same 6.0 GiB. A persistent gradient buffer (Megatron-LM) is full."""
+    from ember.plan.memory import layer_params
+
+    model, shape = PRESETS["llama2-7b"], TrainShape(4096, 8)
+    params = total_params(model)
+
+    def mem(zero, shards, stack):  # global batch 8, micro-batch 1: 8 / shards micro-batches
+        layout = Layout(dp_shard=shards, zero=zero, micro_batch=1)
+        return stage_memory(model, layout, shape, 0, 2, "flash", 80 * 2**30, stack=stack)
+
+    one_zero1, one_zero2 = mem(1, 8, Stack()), mem(2, 8, Stack())
+    assert one_zero1.grads == pytest.approx(params * 2 / 8) == one_zero2.grads
+    assert one_zero1.buffers == pytest.approx(one_zero2.buffers)
+    assert mem(1, 4, Stack()).grads == pytest.approx(params * 2)  # two micro-batches: accumulated whole
+    assert mem(1, 8, MEGATRON).grads == pytest.approx(params * 2)
+    in_flight_grads = 2 * layer_params(model) * 2
+    assert one_zero2.buffers - mem(2, 8, Stack(per_block_grads=False)).buffers == pytest.approx(in_flight_grads)

@@ -98,6 +98,12 @@ class Stack:
     # Whether sequence parallelism keeps the all-gathered inputs of the column-parallel
     # projections for backward (DTensor: ember, torchtitan) or gathers again (Megatron-LM).
     sp_keeps_gathered: bool = True
+    # Whether ZeRO-1/2 gradients are reduce-scattered block by block as backward makes them
+    # (FSDP: ember's ZeRO-1 and 2 are fully_shard without resharding, ZeRO-1 syncing only on
+    # the step's last micro-batch): two blocks' unsharded gradients are in flight, and with
+    # one micro-batch ZeRO-1 keeps only shards. False: a persistent full gradient buffer,
+    # reduced by buckets (Megatron-LM's distributed optimizer, DeepSpeed).
+    per_block_grads: bool = True
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

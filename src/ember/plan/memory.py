@@ -213,7 +213,10 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
     weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
-    grads = params * grad_bytes / (shard if layout.zero >= 2 else 1)
+    # ZeRO-1 on an FSDP stack reduce-scatters at the step's last micro-batch: with only one,
+    # the full gradients never exist at once.
+    sharded_grads = layout.zero >= 2 or (layout.zero == 1 and m == 1 and stack.per_block_grads)
+    grads = params * grad_bytes / (shard if sharded_grads else 1)
     optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
@@ -258,6 +261,10 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         step = 2 * 4 * largest / (shard if layout.zero >= 3 else 1)
         transient = max(transient, step - acts - logits)
     comm = BUCKET_BYTES if layout.dp > 1 else 0.0
+    if layout.zero in (1, 2) and shard > 1 and stack.per_block_grads:
+        # Each block's gradients are made whole and reduce-scattered while the next block's
+        # backward runs: two blocks' unsharded gradients at once.
+        comm += 2 * layer_params(model) / t * grad_bytes
     if layout.zero >= 3:
         # Gathered weights and gradients: the current layer and the next (prefetched), or the
         # current layer and the embedding or output layer, FSDP groups of their own.
