@@ -6,7 +6,8 @@ export and parallelism plans address them as before; only the arithmetic is fuse
 autograd function saves the input and the layers' own weights, never their concatenation:
 a saved [3h, h] copy would stay alive from forward to backward in every layer, and under
 ZeRO-3 (which frees gathered parameters after forward and gathers them again for
-backward) it would undo the sharding. The concatenation exists only while the forward matmul runs, compiled or not.
+backward) it would undo the sharding. A concatenation exists only while its matmul runs
+(forward or backward), compiled or not.
 """
 
 from __future__ import annotations
