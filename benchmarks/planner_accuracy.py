@@ -64,8 +64,15 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 1.0
 
 
-def evaluate_set(name: str) -> dict:
-    runs, skipped = planner_sets.load(name)
+def evaluate_set(name: str, csv_path: Path | None = None) -> dict:
+    """One public set, or (csv_path) a file of published_runs_more's columns whose rows
+    are all unseen."""
+    if csv_path is None:
+        return evaluate_runs(name, *planner_sets.load(name))
+    return evaluate_runs(name, *planner_sets.published_runs_more(csv_path, name=name, unseen=True), unseen=True)
+
+
+def evaluate_runs(name: str, runs: list, skipped: dict, unseen: bool = False) -> dict:
     records = []
     for run in runs:
         p = planner_sets.predict(run)
@@ -73,7 +80,7 @@ def evaluate_set(name: str) -> dict:
         lo, hi = p.interval["tokens_per_s_per_gpu"]
         inside = lo <= run.measured <= hi if error is not None else None
         records.append({"run": run, "prediction": p, "error": error, "inside": inside})
-    return {"name": name, "records": records, "skipped": skipped,
+    return {"name": name, "records": records, "skipped": skipped, "unseen": unseen,
             "fitted": summarise([r for r in records if not r["run"].held_out]),
             "held_out": summarise([r for r in records if r["run"].held_out])}
 
@@ -124,7 +131,7 @@ def percentile(values: list[float], q: float) -> float:
 def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int]]:
     by_kind: dict[str, list[float]] = {}
     for res in results:
-        for r in res["records"]:
+        for r in res["records"] if not res["unseen"] else ():
             if r["error"] is not None:
                 by_kind.setdefault(kind(r["prediction"].layout), []).append(r["error"])
     return {k: (percentile(v, 0.1), percentile(v, 0.9), len(v)) for k, v in sorted(by_kind.items())}
@@ -206,15 +213,16 @@ def report(results: list[dict], seconds: float) -> str:
               "held out = whole groups with crc32(group) % 3 == 0"), ""]
     for res in results:
         skipped = ", ".join(f"{v} {k}" for k, v in res["skipped"].items())
-        lines += [f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""),
-                  f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}", ""]
-    lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of all sets:")
+        lines.append(f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""))
+        lines += ([f"  unseen   {fmt(res['held_out'])}"] if res["unseen"] else
+                  [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"]) + [""]
+    lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of the public sets:")
     for k, (p10, p90, n) in interval_table(results).items():
         lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows)")
     vtrain = next((res for res in results if res["name"] == "vtrain"), None)
     lines += [""] + zero3_scaling() + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
-    lines += ["", "rows of the first two sets:"]
-    for res in results[:2]:
+    lines += ["", "rows of every set but vtrain:"]
+    for res in (res for res in results if res["name"] != "vtrain"):
         for r in res["records"]:
             run, p = r["run"], r["prediction"]
             err = f"{100 * r['error']:+6.1f}%" if r["error"] is not None else "   OOM" if run.oom else "     -"
@@ -228,9 +236,22 @@ def report(results: list[dict], seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
+    parser.add_argument("--csv", action="append", default=[], type=Path, metavar="FILE",
+                        help="also check the runs in FILE (the columns of published_runs_more.csv), all unseen")
     args = parser.parse_args(argv)
+    extra = []
+    for f in args.csv:  # read them all before any prediction is made
+        try:
+            extra.append((f.stem, *planner_sets.published_runs_more(f, name=f.stem, unseen=True)))
+        except OSError as e:
+            print(f"error: cannot read {f}: {e.strerror}.", file=sys.stderr)
+            return 2
+        except (KeyError, ValueError) as e:
+            print(f"error: {f} is not a file of runs with published_runs_more.csv's columns ({e}).", file=sys.stderr)
+            return 2
     start = time.perf_counter()
     results = [evaluate_set(name) for name in planner_sets.SETS if planner_sets.available(name)]
+    results += [evaluate_runs(name, runs, skipped, unseen=True) for name, runs, skipped in extra]
     text = report(results, time.perf_counter() - start)
     print(text, end="")
     if not args.no_write:

@@ -2,7 +2,7 @@
 
 Three sets, each reported on its own (benchmarks/planner_accuracy.py):
 - `published_runs`: Megatron-LM 2021 (GPT 1.7B-1T on up to 3,072 A100s) and the FlagPerf
-  Llama 3 8B sweep on one A800 node (benchmarks/data/published_runs.csv).
+  Llama 3 8B sweep on one A800 node.
 - `published_runs_more`: llm-foundry (FSDP, A100/H100, 8-512 GPUs), torchtitan (FSDP2,
   tensor parallelism), Megatron-Core (3D on up to 6,144 H100s). Only the bf16 rows without
   context parallelism are predicted: the planner prices neither FP8 matmuls nor context
@@ -19,8 +19,14 @@ Held out. Whole groups are held out, so a held-out ranking is never seen while f
 a group is held out when crc32 of its key is divisible by 3 (about a third of them).
 The constants of the overlap model (plan/overlap.py) are fitted on the other groups only.
 
-The data live in shared/planner beside the repository (or $EMBER_PLANNER_DATA); the
-first set's csv is also in benchmarks/data.
+Any other file with the columns of published_runs_more.csv can be checked the same way
+(`planner_accuracy.py --csv FILE`): its rows are all unseen, none was used to fit. Rows of
+a source this module does not know are read by what the row says (`_any_source`): the
+stack from the source's name or a `stack=` note, the layout from the columns, and the
+fields left empty (micro-batch, recomputation, schedule) searched.
+
+The data live in shared/planner beside the repository (or $EMBER_PLANNER_DATA); they are
+not copied into the repository, and the checks that need them skip without them.
 """
 
 from __future__ import annotations
@@ -58,7 +64,10 @@ SETS = ("published_runs", "published_runs_more", "vtrain")
 MEGATRON_2021 = stack("megatron-2021")
 MEGATRON_CORE = stack("megatron")
 MEGATRON_CORE_OVERLAP = stack("megatron", overlap_grad_reduce=True, overlap_param_gather=True)
-MEGATRON_DEEPSPEED = stack("deepspeed")
+# vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
+# where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
+# runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
+MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
 FSDP_AMP = stack("fsdp")  # Composer's DEFAULT mixed precision reduces in fp32
 FSDP_PURE = stack("fsdp", grad_dtype="bf16")
 
@@ -78,10 +87,11 @@ class Run:
     oom: bool = False
     label: str = ""
     extra: dict = field(default_factory=dict)
+    unseen: bool = False  # from a file given with --csv: never fitted, so held out whole
 
     @property
     def held_out(self) -> bool:
-        return zlib.crc32(repr(self.group).encode()) % 3 == 0
+        return self.unseen or zlib.crc32(repr(self.group).encode()) % 3 == 0
 
 
 def _int(text: str) -> int:
@@ -91,6 +101,14 @@ def _int(text: str) -> int:
 def _note(row: dict, key: str) -> str | None:
     found = re.search(rf"(?:^|;)\s*{key}=([^;]+)", row.get("notes", ""))
     return found.group(1).strip() if found else None
+
+
+def _number(text: str) -> float:
+    """The number a note starts with ("29.21 (1920 x 2048 / 60.1 s / 2240)" -> 29.21)."""
+    found = re.match(r"\s*([0-9]+(?:\.[0-9]*)?)", text)
+    if not found:
+        raise ValueError(f"{text!r} does not start with a number")
+    return float(found.group(1))
 
 
 def _gpu(text: str) -> str:
@@ -103,7 +121,7 @@ def _gpu(text: str) -> str:
 
 
 def published_runs(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
-    path = csv_path or REPO / "benchmarks" / "data" / "published_runs.csv"
+    path = csv_path or SHARED / "published_runs.csv"
     runs = []
     for row in csv.DictReader(path.open()):
         layers, hidden, heads = _int(row["layers"]), _int(row["hidden"]), _int(row["heads"])
@@ -136,19 +154,27 @@ def published_runs(csv_path: Path | None = None) -> tuple[list[Run], dict[str, i
 
 
 def _more_model(row: dict) -> ModelSpec:
+    """The architecture: an `arch=` note (gpt: learned positions, biases, tied embeddings,
+    as GPT-3 and MPT; gpt-rotary: Megatron-Core's GPT; llama), else by the source and name."""
     layers, hidden, heads = _int(row["layers"]), _int(row["hidden"]), _int(row["heads"])
-    seq, vocab = _int(row["seq"]), _int(row["vocab"])
-    ffn, kv = _int(row["ffn_hidden"]), _int(row["kv_heads"])
-    if row["source"] == "llm-foundry":
-        return ModelSpec(row["model"], layers, hidden, heads, ffn, vocab, bias=True, max_seq_len=seq)
-    if "llama" in row["model"].lower():
-        return ModelSpec(row["model"], layers, hidden, heads, ffn, vocab, kv_heads=kv, activation="swiglu",
+    seq, vocab, name = _int(row["seq"]), _int(row["vocab"]), row["model"]
+    ffn = _int(row["ffn_hidden"]) if row.get("ffn_hidden") else 4 * hidden
+    kv = _int(row["kv_heads"]) if row.get("kv_heads") else heads
+    arch = _note(row, "arch") or ("gpt" if row["source"] == "llm-foundry" else "llama" if "llama" in name.lower()
+                                  else "gpt-rotary" if row["source"] == "megatron-core" else "gpt")
+    if arch == "llama":
+        return ModelSpec(name, layers, hidden, heads, ffn, vocab, kv_heads=kv, activation="swiglu",
                          tie_embeddings=False, positions="rotary", norm="rmsnorm", max_seq_len=seq)
-    return ModelSpec(row["model"], layers, hidden, heads, ffn, vocab, tie_embeddings=False, positions="rotary",
-                     max_seq_len=seq, dropout=False)
+    if arch == "gpt-rotary":
+        return ModelSpec(name, layers, hidden, heads, ffn, vocab, kv_heads=kv, tie_embeddings=False,
+                         positions="rotary", max_seq_len=seq, dropout=False)
+    positions = "alibi" if "bloom" in name.lower() else "learned"
+    return ModelSpec(name, layers, hidden, heads, ffn, vocab, kv_heads=kv, bias=True, positions=positions,
+                     max_seq_len=seq)
 
 
-def published_runs_more(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
+def published_runs_more(csv_path: Path | None = None, name: str = "published_runs_more",
+                        unseen: bool = False) -> tuple[list[Run], dict[str, int]]:
     path = csv_path or SHARED / "published_runs_more.csv"
     runs, skipped = [], {}
 
@@ -156,7 +182,8 @@ def published_runs_more(csv_path: Path | None = None) -> tuple[list[Run], dict[s
         skipped[reason] = skipped.get(reason, 0) + 1
 
     for row in csv.DictReader(path.open()):
-        notes = row["notes"]
+        row = {k: (v or "").strip() for k, v in row.items() if k}
+        notes = row.get("notes", "")
         if "fp8" in notes.lower() or "fp8" in (_note(row, "precision") or ""):
             skip("FP8 (not priced)")
             continue
@@ -166,15 +193,17 @@ def published_runs_more(csv_path: Path | None = None) -> tuple[list[Run], dict[s
         if row["source"] == "torchtitan-H100" and _note(row, "precision") != "bf16":
             skip("precision not stated")
             continue
-        if not row["tp"] or not row["pp"]:
+        if not row.get("tp") or not row.get("pp"):
             skip("layout not stated")
             continue
         model, seq, gpus = _more_model(row), _int(row["seq"]), _int(row["n_gpus"])
         tp, pp, dp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"])
         shape = TrainShape(seq, _int(row["global_bs"]))
-        tokens = float(_note(row, "tok_s_gpu") or 0)
-        if not tokens and row["tflops_per_gpu"]:
+        tokens = _number(_note(row, "tok_s_gpu") or "0")
+        if not tokens and row.get("tflops_per_gpu"):
             tokens = float(row["tflops_per_gpu"]) * 1e12 / model_flops_per_token(model, seq)
+            if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
+                tokens *= 3 / 4  # the figure counts the recomputed forward pass as well
         if not tokens:
             skip("no throughput")
             continue
@@ -187,8 +216,7 @@ def published_runs_more(csv_path: Path | None = None) -> tuple[list[Run], dict[s
             cluster = make_cluster(gpu, gpus, 8, inter_gbps=25.0 if gpu.startswith("A100") else None, stack=stack)
             layout = Layout(dp_shard=dp, zero=_int(row["zero"]), micro_batch=_int(row["micro_bs"]),
                             recompute=row["recompute"])
-            runs.append(Run("published_runs_more", source, group, model, cluster, shape, tokens, layout=layout,
-                            label=label))
+            run = Run(name, source, group, model, cluster, shape, tokens, layout=layout, label=label)
         elif source == "torchtitan-H100":
             # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
             cluster = make_cluster(gpu, gpus, 8, stack=FSDP_PURE)
@@ -196,17 +224,56 @@ def published_runs_more(csv_path: Path | None = None) -> tuple[list[Run], dict[s
             layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=3, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
                             recompute=recompute)
             group = group + (_note(row, "compile") or "", _note(row, "asyncTP") or "")
-            runs.append(Run("published_runs_more", source, group, model, cluster, shape, tokens, layout=layout,
-                            memory_gib=float(mem) if mem else None, label=label))
+            run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
+                      memory_gib=float(mem) if mem else None, label=label)
         elif source == "megatron-core":
             # Micro-batch, recomputation and schedule are not stated: searched, as N21.
             cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
             fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1}
-            runs.append(Run("published_runs_more", source, ("megatron-core", "weak scaling", row["model"]), model,
-                            cluster, shape, tokens, fixed=fixed, label=label))
+            run = Run(name, source, ("megatron-core", "weak scaling", row["model"]), model, cluster, shape, tokens,
+                      fixed=fixed, label=label)
+        elif source == "nemo":
+            skip("nemo: FP8 only")
+            continue
         else:
-            skip(f"{source}: FP8 only")
+            run = _any_source(row, name, model, shape, tokens, group)
+        run.unseen = unseen
+        runs.append(run)
     return runs, skipped
+
+
+# A source this module has no rule for: its stack from its name or notes, first match wins.
+STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"),
+               ("foundry", "fsdp"), ("composer", "fsdp"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
+               ("ember", "ember"), ("megatron", "megatron"), ("nemo", "megatron"))
+
+
+def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, tokens: float, group: tuple) -> Run:
+    """A run from a source without its own rule, read from what the row says. The stack is
+    a `stack=` note or the first of STACK_WORDS in the source's name and notes (else
+    Megatron-LM, which most published 3D runs used); the layout is tp, pp, dp and zero
+    from the columns (zero 1, the distributed optimizer, when empty), the micro-batch and
+    recomputation when given, interleaving from a `vp=` note, sequence parallelism from an
+    `sp=0/1` note (runs before 2022 had none). What is not given is searched, as the authors
+    tuned theirs; `inter_gbps=` in the notes sets the network per GPU where it is not the
+    GPU's usual one. ZeRO shards over all data-parallel ranks."""
+    text = f"{row['source']} {row.get('notes', '')}".lower()
+    named = _note(row, "stack") or next((s for word, s in STACK_WORDS if word in text), "megatron")
+    inter = _note(row, "inter_gbps")
+    tp, pp, dp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"])
+    cluster = make_cluster(_gpu(row["gpu"]), _int(row["n_gpus"]), 8, inter_gbps=_number(inter) if inter else None,
+                           stack=stack(named))
+    zero = _int(row["zero"]) if row.get("zero") else 1
+    fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp if zero else 1}
+    if _note(row, "sp"):
+        fixed["sp"] = _note(row, "sp") == "1"
+    if row.get("micro_bs"):
+        fixed["micro_batch"] = _int(row["micro_bs"])
+    if row.get("recompute", "").rstrip("?") in ("none", "selective", "full"):
+        fixed["recompute"] = row["recompute"].rstrip("?")
+    if _note(row, "vp"):
+        fixed.update(schedule="interleaved", vpp=_int(_note(row, "vp")))
+    return Run(name, row["source"], group, model, cluster, shape, tokens, fixed=fixed, label=row["model"])
 
 
 def vtrain(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
@@ -244,6 +311,5 @@ def load(name: str) -> tuple[list[Run], dict[str, int]]:
 
 
 def available(name: str) -> bool:
-    if name == "published_runs":
-        return True
-    return (SHARED / ("vtrain/ground_truth_single.csv" if name == "vtrain" else "published_runs_more.csv")).exists()
+    return (SHARED / {"published_runs": "published_runs.csv", "published_runs_more": "published_runs_more.csv",
+                      "vtrain": "vtrain/ground_truth_single.csv"}[name]).exists()

@@ -27,6 +27,7 @@ def accuracy():
 
 @pytest.fixture(scope="module")
 def published(accuracy):
+    _needs("published_runs")
     return accuracy.evaluate_set("published_runs")
 
 
@@ -82,3 +83,43 @@ def test_vtrain_rankings(accuracy):
         # Where the top three miss it, the measured best is still among the layouts the
         # planner says it cannot order (its interval overlaps the best's): `ember tune` finds it.
         assert s["in_ties"] == s["ranked_groups"] and s["tie_share"] <= 0.6
+
+
+HEADER = ("source,model,params_B,layers,hidden,heads,seq,vocab,gpu,n_gpus,tp,pp,dp,zero,micro_bs,global_bs,"
+          "recompute,tflops_per_gpu,mfu,notes,kv_heads,ffn_hidden\n")
+
+
+def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path):
+    """`planner_accuracy.py --csv FILE`: rows of sources the loader has no rule for are read
+    from what they say (stack from the source's name, the layout from the columns, the
+    rest searched) and reported as unseen; FP8 rows are skipped with their reason."""
+    import planner_sets
+
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER
+                    + "Lab X (Megatron-DeepSpeed),GPT 6.7B,6.7,32,4096,32,2048,50257,A100-80GB,64,2,4,8,1,2,512,"
+                      "full,,,tok_s_gpu=1500; inter_gbps=12.5; sp=0,32,16384\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,400,,,8,14336\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,600,,precision=fp8,8,14336\n")
+    runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    assert skipped == {"FP8 (not priced)": 1} and len(runs) == 2 and all(r.held_out for r in runs)
+    ds, llama = runs
+    assert ds.cluster.stack.name == "deepspeed" and ds.cluster.stack.pipeline_lockstep
+    assert ds.cluster.links.inter_gbps == 12.5 and ds.model.bias and ds.model.positions == "learned"
+    assert ds.fixed == {"tp": 2, "pp": 4, "dp": 8, "zero": 1, "dp_shard": 8, "sp": False, "micro_batch": 2,
+                        "recompute": "full"}
+    assert llama.cluster.stack.name == "megatron" and llama.model.activation == "swiglu"
+    assert llama.fixed == {"tp": 2, "pp": 1, "dp": 8, "zero": 1, "dp_shard": 8}  # the rest searched
+    result = accuracy.evaluate_set("runs", path)
+    assert result["unseen"] and result["held_out"]["rows"] == 2 and result["fitted"] == {"rows": 0}
+    assert "unseen       2 rows" in accuracy.report([result], 0.0)
+
+
+def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, tmp_path, capsys):
+    assert accuracy.main(["--no-write", "--csv", str(tmp_path / "nope.csv")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("model,gpu\nGPT,A100\n")
+    assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a file of runs" in err and "Traceback" not in err

@@ -14,7 +14,16 @@ from ember.plan.layout import TrainShape
 from ember.plan.memory import stage_params
 from ember.plan.models import PRESETS
 from ember.plan.stacks import stack
-from ember.plan.predict import HOST_OVERLAP_POWER, _as_run, _stage_work, boundary_s, predict, tp_collectives
+from ember.plan.predict import (
+    HOST_OVERLAP_POWER,
+    _as_run,
+    _stage_work,
+    boundary_s,
+    lockstep_s,
+    pipeline_s,
+    predict,
+    tp_collectives,
+)
 from ember.plan.timing import (
     KERNEL_S,
     Work,
@@ -118,6 +127,38 @@ def test_pipeline_boundary_regathers_scattered_activations_without_sp():
     gather = comm.all_gather_s(full, groups["tp"], cluster.links)
     assert gather > 0
     assert boundary_s(LLAMA, shape, plain, groups, cluster.links) == pytest.approx(send + gather)
+
+
+def test_deepspeed_sends_whole_activations_across_pipeline_boundaries():
+    # DeepSpeed's pipeline engine knows nothing of tensor parallelism: every rank sends the
+    # full tensor over its own link, and the receivers need no gather.
+    cluster = make_cluster("A100-80GB", 64)
+    groups = comm.groups(8, 1, 1, 8, 8)
+    full = 2048 * LLAMA.hidden * 2
+    whole = boundary_s(LLAMA, TrainShape(2048, 64), Layout(tp=8, pp=8), groups, cluster.links, slices=False)
+    assert whole == pytest.approx(comm.p2p_s(full, groups["pp"], cluster.links))
+    assert whole > 4 * boundary_s(LLAMA, TrainShape(2048, 64), Layout(tp=8, pp=8, sp=True), groups, cluster.links)
+
+
+def test_deepspeed_pipeline_runs_in_lockstep():
+    # 2(m + p - 1) steps: p - 1 of forwards only, the rest as long as a backward.
+    total, bubble = lockstep_s([1.0] * 4, [3.0] * 4, 16)
+    assert total == pytest.approx(3 * 1.0 + (2 * 16 + 3) * 3.0)
+    assert bubble == pytest.approx(total - 16 * 4.0)
+    assert total / pipeline_s([4.0] * 4, 16)[0] == pytest.approx(108 / 76)
+    # A forward slower than the backward paces the steps instead.
+    assert lockstep_s([2.0, 1.0], [1.0, 1.0], 8)[0] == pytest.approx(1 * 2.0 + 17 * 2.0)
+    # Priced as the stack says: with full recomputation (backward about 3x the forward) the
+    # engine takes about 1.5x as long as 1F1B; without a pipeline nothing changes.
+    gpt = PRESETS["gpt3-175b"]
+    shape = TrainShape(2048, 512)
+    engine = make_cluster("A100-80GB", 64, stack=stack("deepspeed"))
+    one_f_one_b = make_cluster("A100-80GB", 64, stack=stack("deepspeed", pipeline_lockstep=False))
+    piped = Layout(tp=8, pp=8, micro_batch=1, recompute="full")
+    ratio = predict(gpt, engine, shape, piped).step_time_s / predict(gpt, one_f_one_b, shape, piped).step_time_s
+    assert 1.3 < ratio < 1.6
+    flat = Layout(tp=8, dp_replicate=8, micro_batch=1, recompute="full")
+    assert predict(gpt, engine, shape, flat).step_time_s == predict(gpt, one_f_one_b, shape, flat).step_time_s
 
 
 def test_an_fp32_run_moves_4_byte_elements():
@@ -248,8 +289,10 @@ def test_host_work_per_micro_batch_is_paid_on_every_stage_and_not_hidden(pp):
     m + p - 1 times through a 1F1B pipeline's fill and drain."""
     gpt = PRESETS["gpt2-small"].with_shape(layers=4, hidden=1024, heads=16, mlp_hidden=4096)
     shape, lo = TrainShape(1024, 8), Layout(pp=pp, micro_batch=2, recompute="full")
-    base = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=0.0))
-    paying = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=2e-3))
+    base = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=0.0,
+                                                     pipeline_lockstep=False))
+    paying = make_cluster("A100-80GB", pp, stack=stack("deepspeed", host_s_per_micro_batch=2e-3,
+                                                       pipeline_lockstep=False))
     m = lo.micro_batches(shape.global_batch)
     extra = predict(gpt, paying, shape, lo).step_time_s - predict(gpt, base, shape, lo).step_time_s
     assert extra == pytest.approx((m + pp - 1) * 2e-3, rel=1e-6)

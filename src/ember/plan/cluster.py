@@ -104,6 +104,17 @@ class Stack:
     # one micro-batch ZeRO-1 keeps only shards. False: a persistent full gradient buffer,
     # reduced by buckets (Megatron-LM's distributed optimizer, DeepSpeed).
     per_block_grads: bool = True
+    # Whether each tensor-parallel rank sends only its 1/tp slice across a pipeline boundary
+    # (Megatron-LM's scatter/gather optimisation; ember's sequence-parallel stages) or the
+    # whole activation (DeepSpeed's pipeline engine, which does not know about tensor
+    # parallelism: every rank sends the full tensor over its own link).
+    p2p_slices: bool = True
+    # Whether the pipeline runs in DeepSpeed's lockstep (its engine's TrainSchedule): even
+    # and odd stages alternate a forward and a backward in 2(m + p - 1) steps, with blocking
+    # sends and receives between neighbours at every step, so every step lasts as long as
+    # the slowest pass in it (plan/predict.py: lockstep_s). False: Megatron-LM's and
+    # PyTorch's 1F1B, where a stage starts its next pass as soon as its input is there.
+    pipeline_lockstep: bool = False
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""

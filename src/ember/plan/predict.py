@@ -10,6 +10,9 @@ drain:
 Balanced stages give m·t·(1 + (p−1)/(v·m)): the bubble fraction (p−1)/m of GPipe and
 1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021). The first stage carries the
 embedding, the last the output layer and the loss, so unequal stages are priced too.
+DeepSpeed's pipeline engine runs in lockstep instead (`lockstep_s`): with a backward pass
+b about three times the forward f under full recomputation, its steady state costs 2·b
+per micro-batch where 1F1B costs f + b, 1.5x as long.
 
 Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-1:
 reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
@@ -103,6 +106,18 @@ def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tu
     return micro_batches * slowest + bubble, bubble
 
 
+def lockstep_s(forward: list[float], backward: list[float], micro_batches: int) -> tuple[float, float]:
+    """(time through the pipeline, of which not the slowest stage's own work) for DeepSpeed's
+    TrainSchedule (deepspeed/runtime/pipe/schedule.py): 2(m + p − 1) steps; in each, even
+    stages run a forward while odd ones run a backward, or the reverse, and neighbours
+    exchange activations and gradients with blocking sends and receives before the next.
+    Every step therefore lasts as long as the slowest pass run in it: the p − 1 steps of
+    the fill run forwards only, every other step has a backward somewhere."""
+    p, f, b = len(forward), max(forward), max(backward)
+    total = (p - 1) * f + (2 * micro_batches + p - 1) * max(f, b)
+    return total, total - micro_batches * max(fi + bi for fi, bi in zip(forward, backward))
+
+
 def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
     stack, width = cluster.stack, element_width(shape)
@@ -174,12 +189,16 @@ def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Wor
     return work + Work(launch=(host**p + device**p) ** (1 / p) - device)
 
 
-def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links) -> float:
+def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links, slices: bool = True) -> float:
     """One tensor crossing a pipeline boundary. Each of the tp ranks sends only its 1/tp slice
     (Narayanan et al. 2021, scatter/gather optimisation). Without sequence parallelism the
     next stage needs the whole activation on every rank, so the receivers all-gather it over
-    NVLink; with sequence parallelism the slice is what the next layer takes."""
+    NVLink; with sequence parallelism the slice is what the next layer takes. A stack
+    without the optimisation (`Stack.p2p_slices` False) sends the whole tensor from every
+    rank, each over its own link, and needs no gather."""
     full = lo.micro_batch * shape.seq_len * model.hidden * 2 * element_width(shape)
+    if not slices:
+        return comm.p2p_s(full, groups["pp"], links)
     send = comm.p2p_s(full / lo.tp, groups["pp"], links)
     gather = comm.all_gather_s(full, groups["tp"], links) if lo.tp > 1 and not lo.sp else 0.0
     return send + gather
@@ -190,12 +209,12 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
     m = lo.micro_batches(shape.global_batch)
     grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)
-    p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links) if lo.pp > 1 else 0.0
+    p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links, stack.p2p_slices) if lo.pp > 1 else 0.0
 
     shard, rep = groups["dp_shard"], groups["dp_replicate"]
     stand_in = pipeline_ranks(model, lo)  # ranks that cost the same are priced once
     stages = sorted(set(stand_in.values()))
-    times, parts, dp_exposed, optimizer = {}, {}, 0.0, 0.0
+    times, halves, parts, dp_exposed, optimizer = {}, {}, {}, 0.0, 0.0
     for i in stages:
         fwd, bwd = _stage_work(model, cluster, shape, lo, i)
         params = stage_params(model, lo, i)
@@ -213,6 +232,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
             scatter = overlap.sharded_s(grads, buckets, shard, links)
             per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
+        halves[i] = (fwd.total + p2p / 2, bwd.total + p2p / 2 + per_mb)
         parts[i] = (fwd + bwd, per_mb)
 
         if lo.zero == 0:
@@ -230,7 +250,11 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
 
     every_stage = [times[stand_in[i]] for i in range(lo.pp)]
-    pipeline, bubble = pipeline_s(every_stage, m, lo.vpp)
+    if stack.pipeline_lockstep and lo.pp > 1 and lo.vpp == 1:
+        pipeline, bubble = lockstep_s([halves[stand_in[i]][0] for i in range(lo.pp)],
+                                      [halves[stand_in[i]][1] for i in range(lo.pp)], m)
+    else:
+        pipeline, bubble = pipeline_s(every_stage, m, lo.vpp)
     slowest = max(times, key=times.get)
     t_max, mean = times[slowest], sum(every_stage) / lo.pp
     step = pipeline + dp_exposed + optimizer
