@@ -135,7 +135,7 @@ def published_runs(csv_path: Path | None = None) -> tuple[list[Run], dict[str, i
             # Its TFLOP/s count recomputation: 96·B·s·l·h²·(1 + s/6h + V/16lh) per step.
             flops = 96 * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
             tokens = float(row["tflops_per_gpu"]) * 1e12 / (flops / seq)
-            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 0, "sp": False, "recompute": "full"}
+            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 0, "sp": False, "recompute": "full", "recompute_every": 1}
             # Weak scaling: each size is its own (model, cluster); grouped as one sweep of scale.
             runs.append(Run("published_runs", "N21-T1", ("N21-T1", row["model"], row["params_B"]), model, cluster,
                             shape, tokens, fixed=fixed, label=f"GPT {row['params_B']}B"))
@@ -270,7 +270,7 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
     if row.get("micro_bs"):
         fixed["micro_batch"] = _int(row["micro_bs"])
     if row.get("recompute", "").rstrip("?") in ("none", "selective", "full"):
-        fixed["recompute"] = row["recompute"].rstrip("?")
+        fixed.update(recompute=row["recompute"].rstrip("?"), recompute_every=1)
     if _note(row, "vp"):
         fixed.update(schedule="interleaved", vpp=_int(_note(row, "vp")))
     return Run(name, row["source"], group, model, cluster, shape, tokens, fixed=fixed, label=row["model"])

@@ -107,7 +107,7 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
     assert ds.cluster.stack.name == "deepspeed" and ds.cluster.stack.pipeline_lockstep
     assert ds.cluster.links.inter_gbps == 12.5 and ds.model.bias and ds.model.positions == "learned"
     assert ds.fixed == {"tp": 2, "pp": 4, "dp": 8, "zero": 1, "dp_shard": 8, "sp": False, "micro_batch": 2,
-                        "recompute": "full"}
+                        "recompute": "full", "recompute_every": 1}
     assert llama.cluster.stack.name == "megatron" and llama.model.activation == "swiglu"
     assert llama.fixed == {"tp": 2, "pp": 1, "dp": 8, "zero": 1, "dp_shard": 8}  # the rest searched
     result = accuracy.evaluate_set("runs", path)

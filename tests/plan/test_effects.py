@@ -13,6 +13,7 @@ from ember.plan.comm import Links
 from ember.plan.layout import TrainShape
 from ember.plan.memory import stage_params
 from ember.plan.models import PRESETS
+from ember.plan.search import search
 from ember.plan.stacks import stack
 from ember.plan.predict import (
     HOST_OVERLAP_POWER,
@@ -159,6 +160,11 @@ def test_deepspeed_pipeline_runs_in_lockstep():
     assert 1.3 < ratio < 1.6
     flat = Layout(tp=8, dp_replicate=8, micro_batch=1, recompute="full")
     assert predict(gpt, engine, shape, flat).step_time_s == predict(gpt, one_f_one_b, shape, flat).step_time_s
+    # The engine has no other schedule, so the search offers none.
+    found = search(gpt, engine, shape, fixed={"tp": 8, "pp": 8}, ember_only=False).ranked
+    assert found and {p.layout.schedule for p in found} == {"1f1b"}
+    assert "interleaved" in {p.layout.schedule for p in search(gpt, one_f_one_b, shape, fixed={"tp": 8, "pp": 8},
+                                                                ember_only=False).ranked}
 
 
 def test_an_fp32_run_moves_4_byte_elements():

@@ -116,6 +116,11 @@ class Stack:
     # PyTorch's 1F1B, where a stage starts its next pass as soon as its input is there.
     pipeline_lockstep: bool = False
 
+    def runs_schedule(self, layout) -> bool:
+        """Whether this software runs `layout`'s pipeline schedule: DeepSpeed's engine has
+        only its own (TrainSchedule, priced as `pipeline_lockstep`), filed under 1f1b."""
+        return not self.pipeline_lockstep or layout.pp == 1 or layout.schedule == "1f1b"
+
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""
         if recompute != "selective" or self.selective == "elementwise":

@@ -12,7 +12,9 @@
                     3 also weights, each over dp_shard ranks (dp_shard defaults to dp)
   mbs               micro-batch size (sequences); gradient accumulation = global / (dp·mbs)
   recompute         activation checkpointing: none, selective (attention core) or full
-  recompute_every   the policy covers every k-th layer only (1: all); the search keeps 1
+  recompute_every   the policy covers every k-th layer only (1: all); the search also tries
+                    full recomputation of every second layer, half the cost for about half
+                    the activations (Megatron-LM's --recompute-num-layers does the same)
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from ember.config import ConfigError
 from ember.layout import RECOMPUTE, Layout, problems
 
 PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules the time model prices
+# (recompute, recompute_every) pairs the search tries.
+POLICIES = tuple((policy, 1) for policy in RECOMPUTE) + (("full", 2),)
 PRECISIONS = ("bf16", "fp16")
 
 
@@ -127,9 +131,9 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
             schedules = [("1f1b", 1)] + ([("gpipe", 1)] + [("interleaved", v) for v in vpps] if pp > 1 else [])
             micro = [2**i for i in range(10) if 2**i <= max_mbs and (shape.global_batch // dp) % 2**i == 0]
             seq_parallel = (False, True) if tp > 1 else (False,)
-            for (zero, shard, rep), mbs, (schedule, vpp), sp, recompute in itertools.product(
-                    data, micro, schedules, seq_parallel, RECOMPUTE):
-                layout = Layout(tp, pp, shard, rep, zero, sp, vpp, schedule, mbs, recompute)
+            for (zero, shard, rep), mbs, (schedule, vpp), sp, (recompute, every) in itertools.product(
+                    data, micro, schedules, seq_parallel, POLICIES):
+                layout = Layout(tp, pp, shard, rep, zero, sp, vpp, schedule, mbs, recompute, every)
                 pinned = all(getattr(layout, k) == v for k, v in fixed.items() if k not in ("tp", "pp", "dp"))
                 if pinned and not problems(layout, model, shape.global_batch, n_gpus, seq_len=shape.seq_len,
                                            ember=ember_only):

@@ -29,8 +29,8 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     """Rank every layout of `model` on `cluster` at `shape`; `fixed` pins layout fields;
     `ember_only=False` also ranks layouts only other frameworks run (published runs)."""
     start = time.perf_counter()
-    layouts = candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs, fixed=fixed,
-                         ember_only=ember_only)
+    layouts = [lo for lo in candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs,
+                                       fixed=fixed, ember_only=ember_only) if cluster.stack.runs_schedule(lo)]
     if not layouts:
         raise ConfigError(f"no layout of {model.name} divides evenly over {cluster.n_gpus} GPUs at a global "
                           f"batch of {shape.global_batch}; try a global batch that is a multiple of the GPU count.")
