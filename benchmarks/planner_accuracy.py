@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import planner_sets
 
+from ember.config import ConfigError
 from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
@@ -206,9 +207,9 @@ def fmt(s: dict) -> str:
             + f"; inside interval {s['inside']}/{s['rows']}")
 
 
-def report(results: list[dict], seconds: float) -> str:
+def report(results: list[dict], seconds: float, command: str = "python benchmarks/planner_accuracy.py") -> str:
     lines = [f"# ember plan accuracy against measured runs ({datetime.date.today().isoformat()})",
-             "# command: python benchmarks/planner_accuracy.py",
+             f"# command: {command}",
              ("# error = (predicted - measured) / measured, tokens/s per GPU; "
               "held out = whole groups with crc32(group) % 3 == 0"), ""]
     for res in results:
@@ -246,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"error: cannot read {f}: {e.strerror}.", file=sys.stderr)
             return 2
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, ConfigError) as e:
             print(f"error: {f} is not a file of runs with published_runs_more.csv's columns ({e}).", file=sys.stderr)
             return 2
     start = time.perf_counter()
     results = [evaluate_set(name) for name in planner_sets.SETS if planner_sets.available(name)]
     results += [evaluate_runs(name, runs, skipped, unseen=True) for name, runs, skipped in extra]
-    text = report(results, time.perf_counter() - start)
+    command = " ".join(["python benchmarks/planner_accuracy.py"] + [f"--csv {f}" for f in args.csv])
+    text = report(results, time.perf_counter() - start, command)
     print(text, end="")
     if not args.no_write:
         out = REPO / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-planner-accuracy.txt"

@@ -123,3 +123,20 @@ def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, t
     assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "is not a file of runs" in err and "Traceback" not in err
+    unknown = tmp_path / "unknown.csv"
+    unknown.write_text(HEADER + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,8,,,64,,,,"
+                                "tok_s_gpu=9000; stack=jax,16,8192\n")
+    assert accuracy.main(["--no-write", "--csv", str(unknown)]) == 2
+    assert "unknown --stack 'jax'" in capsys.readouterr().err
+
+
+def test_large_runs_never_fitted(accuracy):
+    """benchmarks/data/large_runs.csv (MT-NLG, BLOOM, Llama 3 405B, Nemotron-4 340B from
+    their papers): DeepSpeed's lockstep pipeline took MT-NLG from +39..+46% to -6..0%, and
+    recomputing every second layer Llama 3 405B from -14/-15% to -2/-4%."""
+    result = accuracy.evaluate_set("large_runs", REPO / "benchmarks" / "data" / "large_runs.csv")
+    s = result["held_out"]
+    assert s["rows"] == 7 and s["median"] <= 0.05 and abs(s["bias"]) <= 0.05 and s["max"] <= 0.13
+    errors = {(r["run"].label, r["run"].cluster.n_gpus): r["error"] for r in result["records"]}
+    assert all(abs(errors["MT-NLG 530B", n]) <= 0.07 for n in (2240, 2800, 3360))
+    assert all(abs(errors["Llama 3 405B", n]) <= 0.05 for n in (8192, 16384))

@@ -13,7 +13,9 @@ naming what that software does, not tuning ember's own constants to it:
   other software than today's Megatron-Core, so its kernel rate is its own.
 - `deepspeed`: Megatron-DeepSpeed: unfused attention, 2-byte gradients, no gradient
   bucketing overlap, ZeRO-3 fetching each parameter-holding sub-module with its own
-  collective (four weights and two norms per block) and without reliable prefetch.
+  collective (four weights and two norms per block) and without reliable prefetch;
+  DeepSpeed's pipeline engine, which runs its stages in lockstep and sends the whole
+  activation from every tensor-parallel rank (read from its TrainSchedule, not fitted).
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
   recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
