@@ -31,6 +31,14 @@ def test_single_layout_keys_vpp_sp_schedule(capsys):
     assert "--set parallel.vpp=2" in out["command"] and "--set parallel.sp=true" in out["command"]
 
 
+def test_a_schedule_the_named_stack_cannot_run_is_refused(capsys):
+    layout = "tp=8,pp=16,schedule=interleaved,vpp=2,dp=8,zero=1,mbs=1,recompute=full"
+    assert main(BASE + ["--stack", "deepspeed", "--layout", layout]) == 2
+    assert "runs only its own pipeline schedule" in capsys.readouterr().err
+    assert main(BASE + ["--stack", "deepspeed", "--layout", layout.replace("interleaved,vpp=2", "1f1b"),
+                        "--json"]) == 0
+
+
 def test_a_layout_that_does_not_fit_is_reported_not_refused(capsys):
     assert main(BASE + ["--layout", "tp=2,pp=1,dp=512", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -130,6 +130,9 @@ def run_plan(args) -> int:
         found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
         if found:
             raise ConfigError(f"layout {layout.text()} cannot run: {found[0]}.")
+        if not cluster.stack.runs_schedule(layout):
+            raise ConfigError(f"--stack {cluster.stack.name} runs only its own pipeline schedule; "
+                              "give schedule=1f1b for it.")
         p = rank(model, cluster, shape, [layout])[0]
         command = report.train_command(p, model, recipe, cluster, shape)
         if args.json:
