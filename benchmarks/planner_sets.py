@@ -113,7 +113,11 @@ def _number(text: str) -> float:
 
 def _gpu(text: str) -> str:
     name = text.split(";")[0].strip()
-    for pattern, gpu in (("A800", "A800"), ("A100-40GB", "A100-40GB"), ("A100", "A100-80GB"),
+    if "pcie" in name.lower():  # the GPU table tells the PCIe parts apart
+        return name
+    if name.startswith("A100") and re.search(r"40\s*GB", name, re.I):
+        return "A100-40GB"
+    for pattern, gpu in (("A800", "A800"), ("A100", "A100-80GB"),
                          ("H200", "H200"), ("H100", "H100")):
         if name.startswith(pattern):
             return gpu
