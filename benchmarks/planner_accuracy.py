@@ -150,13 +150,16 @@ def zero3_scaling() -> list[str]:
              "counting recomputation:",
              f"{'GPUs':>6}{'ZeRO-3 measured':>17}{'--stack deepspeed':>19}{'3D measured':>13}"
              f"{'--stack megatron-2021':>23}{'ember: best 3D':>16}{'best ZeRO-3':>13}"]
+    searched = []
     for gpus, measured in ZERO3_175B.items():
         ds = make_cluster("A100-80GB", gpus, 8, stack=stack("deepspeed"))
         zero3 = search(gpt, ds, shape, fixed={"tp": 1, "pp": 1, "zero": 3}, ember_only=False).best
         m21 = make_cluster("A100-80GB", gpus, 8, stack=stack("megatron-2021"))
         ptdp = search(gpt, m21, shape, fixed={"tp": 8, "pp": 12, "zero": 0, "sp": False, "recompute": "full",
                                               "recompute_every": 1}, ember_only=False).best
-        ranked = search(gpt, make_cluster("A100-80GB", gpus, 8), shape).ranked
+        result = search(gpt, make_cluster("A100-80GB", gpus, 8), shape)
+        ranked = result.ranked
+        searched.append(f"{gpus} GPUs: {result.considered:,} layouts in {result.seconds:.1f} s")
         best3d = next(p for p in ranked if p.layout.tp > 1 and p.layout.pp > 1)
         best_z3 = next((p for p in ranked if p.layout.zero == 3), None)
         z3_text = f"{best_z3.hw_tflops_per_gpu:.0f} (#{ranked.index(best_z3) + 1})" if best_z3 else "-"
@@ -164,7 +167,7 @@ def zero3_scaling() -> list[str]:
         lines.append(f"{gpus:>6}{measured:>17.0f}{z3:>12.0f} ({z3 / measured - 1:+.0%}){PTDP_175B[gpus]:>13.0f}"
                      f"{td:>16.0f} ({td / PTDP_175B[gpus] - 1:+.0%}){best3d.hw_tflops_per_gpu:>11.0f} "
                      f"(#{ranked.index(best3d) + 1}){z3_text:>13}")
-    return lines
+    return lines + ["ember's own search (default stack): " + "; ".join(searched)]
 
 
 def layer_sweep(records: list[dict]) -> list[str]:

@@ -59,6 +59,12 @@ def score(runs: list) -> float:
     return statistics.fmean(statistics.median(v) for v in by_set.values())
 
 
+def describe(values: dict) -> str:
+    return "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
+                     f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
+                     f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms" for n, v in values.items())
+
+
 def fit_stacks(runs: list, names: list, first: dict, values: dict) -> float:
     """Coordinate descent over the stacks' constants and COMM_SLOWDOWN at the current
     HOST_OVERLAP_POWER, until a round changes nothing (at most eight); returns the score."""
@@ -87,10 +93,7 @@ def fit_stacks(runs: list, names: list, first: dict, values: dict) -> float:
             slow.append((score(current), v))
         best, overlap.COMM_SLOWDOWN = min(slow)
         print(f"  p {predict.HOST_OVERLAP_POWER} round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
-              + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
-                          f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
-                          f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms"
-                          for n, v in values.items()) + f"; score {best:.4f}", flush=True)
+              f"{describe(values)}; score {best:.4f}", flush=True)
         if (repr(values), overlap.COMM_SLOWDOWN) == before:
             break
     return best
@@ -113,11 +116,7 @@ def main() -> int:
         values = {n: dict(v) for n, v in start.items()}
         results.append((fit_stacks(runs, names, first, values), power, values, overlap.COMM_SLOWDOWN))
     best, power, values, slowdown = min(results, key=lambda r: r[0])
-    print(f"best: HOST_OVERLAP_POWER {power}; COMM_SLOWDOWN {slowdown}; "
-          + "; ".join(f"{n}: kernel_eff {v['kernel_eff']}, attention_eff {v['attention_eff']}, "
-                      f"host_s_per_kernel {v['host_s_per_kernel'] * 1e6:g} us, "
-                      f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms"
-                      for n, v in values.items()) + f"; score {best:.4f}")
+    print(f"best: HOST_OVERLAP_POWER {power}; COMM_SLOWDOWN {slowdown}; {describe(values)}; score {best:.4f}")
     return 0
 
 

@@ -38,7 +38,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ember.cost import model_flops_per_token
+from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
 from ember.plan.cluster import Cluster, make_cluster
 from ember.plan.layout import TrainShape
@@ -205,9 +205,10 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         shape = TrainShape(seq, _int(row["global_bs"]))
         tokens = _number(_note(row, "tok_s_gpu") or "0")
         if not tokens and row.get("tflops_per_gpu"):
-            tokens = float(row["tflops_per_gpu"]) * 1e12 / model_flops_per_token(model, seq)
+            flops = model_flops_per_token(model, seq)
             if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
-                tokens *= 3 / 4  # the figure counts the recomputed forward pass as well
+                flops += recompute_flops_per_token(model, seq, "full")  # the figure counts the rerun too
+            tokens = float(row["tflops_per_gpu"]) * 1e12 / flops
         if not tokens:
             skip("no throughput")
             continue

@@ -115,6 +115,20 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
     assert "unseen       2 rows" in accuracy.report([result], 0.0)
 
 
+def test_hardware_tflops_of_a_runs_file_count_the_recomputed_forward(tmp_path):
+    import planner_sets
+    from ember.cost import model_flops_per_token, recompute_flops_per_token
+
+    path = tmp_path / "runs.csv"
+    row = "Lab Q,GPT 6.7B,6.7,32,4096,32,2048,50257,A100-80GB,64,2,4,8,1,2,512,full,150,,{},32,16384\n"
+    path.write_text(HEADER + row.format("tflops=hardware") + row.format(""))
+    (hardware, model_only), _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    spec = model_only.model
+    assert model_only.measured == pytest.approx(150e12 / model_flops_per_token(spec, 2048))
+    assert hardware.measured == pytest.approx(
+        150e12 / (model_flops_per_token(spec, 2048) + recompute_flops_per_token(spec, 2048, "full")))
+
+
 def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, tmp_path, capsys):
     assert accuracy.main(["--no-write", "--csv", str(tmp_path / "nope.csv")]) == 2
     assert "cannot read" in capsys.readouterr().err
