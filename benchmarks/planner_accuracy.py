@@ -231,7 +231,12 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
         skipped = ", ".join(f"{v} {k}" for k, v in res["skipped"].items())
         lines.append(f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""))
         lines += ([f"  unseen   {fmt(res['held_out'])}"] if res["unseen"] else
-                  [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"]) + [""]
+                  [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"])
+        fp8 = [r for r in res["records"] if r["run"].shape.precision == "fp8"]
+        if fp8:  # FP8 is priced from first principles; its rows are also reported apart
+            lines.append(f"  of which FP8: fitted {fmt(summarise([r for r in fp8 if not r['run'].held_out]))}")
+            lines.append(f"  of which FP8: held out {fmt(summarise([r for r in fp8 if r['run'].held_out]))}")
+        lines.append("")
     lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of the public sets:")
     for k, (p10, p90, n) in interval_table(results).items():
         lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows)")
@@ -242,8 +247,9 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
         for r in res["records"]:
             run, p = r["run"], r["prediction"]
             err = f"{100 * r['error']:+6.1f}%" if r["error"] is not None else "   OOM" if run.oom else "     -"
+            text = p.layout.text() + (" fp8" if run.shape.precision == "fp8" else "")
             lines.append(f"  {run.source:<16}{run.label[:14]:<15}{run.cluster.gpu.name[:9]:<10}{run.cluster.n_gpus:>5} "
-                         f"{p.layout.text():<72}{run.measured:>9.0f}{p.tokens_per_s_per_gpu:>9.0f} {err}"
+                         f"{text:<72}{run.measured:>9.0f}{p.tokens_per_s_per_gpu:>9.0f} {err}"
                          + ("  held out" if run.held_out else ""))
     lines.append(f"\n({seconds:.1f} s)")
     return "\n".join(lines) + "\n"

@@ -10,13 +10,18 @@ fitted rows (for the stacks in PER_MICRO_BATCH, `host_s_per_kernel` together wit
 separates a cost per micro-batch from one per layer); COMM_SLOWDOWN (plan/overlap.py) is
 shared by all stacks and chosen the same way over all fitted rows, each set weighted
 equally. Coordinate descent, until a round changes nothing (at most eight), once for every
-HOST_OVERLAP_POWER (plan/predict.py) on its grid; the power with the best score wins. Prints the
-values; they are copied by hand into plan/stacks.py, plan/overlap.py and plan/predict.py,
-with the output committed under benchmarks/results/.
+HOST_OVERLAP_POWER (plan/predict.py) on its grid; the power with the best score wins
+(`--power P` fits at one power only, about a fifth of the time). A constant moves only when
+another grid value beats its current one by more than TIE: rows that do not determine a
+constant leave it where it was. Stacks that run the same
+kernels share their figures (FAMILY: `nemo` is Megatron-Core with its overlap options on).
+Prints the values; they are copied by hand into plan/stacks.py, plan/overlap.py and
+plan/predict.py, with the output committed under benchmarks/results/.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import statistics
@@ -35,7 +40,13 @@ HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 45e-6, 50e-6, 55e-6, 60
 MICRO_BATCH_S = [0.0, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3]
 PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
-SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]
+SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5]
+TIE = 1e-4  # score differences below this are not a reason to move a constant
+FAMILY = {"nemo": "megatron"}  # stacks fitted together: the same software, other options
+
+
+def family(run) -> str:
+    return FAMILY.get(run.cluster.stack.name, run.cluster.stack.name)
 
 
 def fitted_runs() -> list:
@@ -65,45 +76,67 @@ def describe(values: dict) -> str:
                      f"host_s_per_micro_batch {v['host_s_per_micro_batch'] * 1e3:g} ms" for n, v in values.items())
 
 
+def choose(options: list, current, cost) -> object:
+    """The option of lowest cost; the current value unless another beats it by more than
+    TIE, so that a constant the rows do not determine stays where it was."""
+    costs = {option: cost(option) for option in options}
+    costs.setdefault(current, cost(current))
+    best = min(costs, key=costs.get)
+    return current if costs[current] - costs[best] <= TIE else best
+
+
 def fit_stacks(runs: list, names: list, first: dict, values: dict) -> float:
     """Coordinate descent over the stacks' constants and COMM_SLOWDOWN at the current
-    HOST_OVERLAP_POWER, until a round changes nothing (at most eight); returns the score."""
-    best = math.inf
+    HOST_OVERLAP_POWER, until a round changes nothing (at most eight). Each stack is chosen
+    on its own rows, so a round can worsen the shared score: `values` and COMM_SLOWDOWN are
+    left at the best round's, and its score returned."""
+    best, kept = math.inf, None
     for round_ in range(8):
         before = (repr(values), overlap.COMM_SLOWDOWN)
         for name in names:
-            mine = [r for r in runs if r.cluster.stack.name == name]
+            mine = [r for r in runs if family(r) == name]
             # The kernel rates together (a stack's rows rarely separate matmul from attention
             # time on their own), then the host time.
             fused = first[name].attention == "flash"  # unfused attention runs as matmuls: kernel_eff
             pairs = [(k, a) for k in KERNEL_EFF for a in (ATTENTION_EFF if fused else [1.0])]
-            k, a = min(pairs, key=lambda ka: score([with_stack(r, **(values[name] | {"kernel_eff": ka[0],
-                                                                                    "attention_eff": ka[1]}))
-                                                    for r in mine]))
+            k, a = choose(pairs, (values[name]["kernel_eff"], values[name]["attention_eff"]),
+                          lambda ka: score([with_stack(r, **(values[name] | {"kernel_eff": ka[0],
+                                                                             "attention_eff": ka[1]}))
+                                            for r in mine]))
             values[name] |= {"kernel_eff": k, "attention_eff": a}
             hosts = [(v, c) for v in HOST_S for c in (MICRO_BATCH_S if name in PER_MICRO_BATCH else [0.0])]
-            v, c = min(hosts, key=lambda vc: score(
-                [with_stack(r, **(values[name] | {"host_s_per_kernel": vc[0], "host_s_per_micro_batch": vc[1]}))
-                 for r in mine]))
+            v, c = choose(hosts, (values[name]["host_s_per_kernel"], values[name]["host_s_per_micro_batch"]),
+                          lambda vc: score([with_stack(r, **(values[name] | {"host_s_per_kernel": vc[0],
+                                                                             "host_s_per_micro_batch": vc[1]}))
+                                            for r in mine]))
             values[name] |= {"host_s_per_kernel": v, "host_s_per_micro_batch": c}
-        current = [with_stack(r, **values[r.cluster.stack.name]) for r in runs]
-        slow = []
-        for v in SLOWDOWN:
+        current = [with_stack(r, **values[family(r)]) for r in runs]
+        def at_slowdown(v: float) -> float:
             overlap.COMM_SLOWDOWN = v
-            slow.append((score(current), v))
-        best, overlap.COMM_SLOWDOWN = min(slow)
+            return score(current)
+
+        overlap.COMM_SLOWDOWN = choose(SLOWDOWN, overlap.COMM_SLOWDOWN, at_slowdown)
+        round_score = score(current)
         print(f"  p {predict.HOST_OVERLAP_POWER} round {round_ + 1}: COMM_SLOWDOWN {overlap.COMM_SLOWDOWN}; "
-              f"{describe(values)}; score {best:.4f}", flush=True)
+              f"{describe(values)}; score {round_score:.4f}", flush=True)
+        if round_score < best:
+            best, kept = round_score, ({n: dict(v) for n, v in values.items()}, overlap.COMM_SLOWDOWN)
         if (repr(values), overlap.COMM_SLOWDOWN) == before:
             break
+    for name, v in kept[0].items():
+        values[name] = v
+    overlap.COMM_SLOWDOWN = kept[1]
     return best
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--power", type=float, help="fit at this HOST_OVERLAP_POWER only")
+    args = parser.parse_args()
     runs = fitted_runs()
-    names = sorted({r.cluster.stack.name for r in runs})
+    names = sorted({family(r) for r in runs})
     print(f"fitting on {len(runs)} fitted rows; stacks {', '.join(names)}")
-    first = {n: next(r for r in runs if r.cluster.stack.name == n).cluster.stack for n in names}
+    first = {n: next(r for r in runs if family(r) == n).cluster.stack for n in names}
     start = {n: {"kernel_eff": s.kernel_eff, "attention_eff": s.attention_eff,
                  "host_s_per_kernel": s.host_s_per_kernel, "host_s_per_micro_batch": s.host_s_per_micro_batch}
              for n, s in first.items()}
@@ -111,7 +144,7 @@ def main() -> int:
     # refit of everything else (descending one coordinate at a time from one power stays
     # near it), and the best score wins.
     results = []
-    for power in HOST_POWER:
+    for power in [args.power] if args.power else HOST_POWER:
         predict.HOST_OVERLAP_POWER = power
         values = {n: dict(v) for n, v in start.items()}
         results.append((fit_stacks(runs, names, first, values), power, values, overlap.COMM_SLOWDOWN))

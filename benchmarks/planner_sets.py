@@ -4,9 +4,9 @@ Three sets, each reported on its own (benchmarks/planner_accuracy.py):
 - `published_runs`: Megatron-LM 2021 (GPT 1.7B-1T on up to 3,072 A100s) and the FlagPerf
   Llama 3 8B sweep on one A800 node.
 - `published_runs_more`: llm-foundry (FSDP, A100/H100, 8-512 GPUs), torchtitan (FSDP2,
-  tensor parallelism), Megatron-Core (3D on up to 6,144 H100s). Only the bf16 rows without
-  context parallelism are predicted: the planner prices neither FP8 matmuls nor context
-  parallelism, and every skipped row is counted with its reason.
+  tensor parallelism), Megatron-Core (3D on up to 6,144 H100s) and NeMo, in bf16 and FP8
+  (tensor-wise scales). Rows with context parallelism or row-wise FP8 scales, which the
+  planner does not price, are skipped and every skipped row is counted with its reason.
 - `vtrain`: 1,440 single-node Megatron-DeepSpeed runs (0.2-1.3 B, 2-8 A100s, full
   recomputation, unfused attention).
 
@@ -63,7 +63,7 @@ SETS = ("published_runs", "published_runs_more", "vtrain")
 # What each source ran (named stacks, plan/stacks.py; see docs/planner.md "Stacks").
 MEGATRON_2021 = stack("megatron-2021")
 MEGATRON_CORE = stack("megatron")
-MEGATRON_CORE_OVERLAP = stack("megatron", overlap_grad_reduce=True, overlap_param_gather=True)
+MEGATRON_CORE_OVERLAP = stack("nemo")  # its tables: "overlap of DP/TP/PP comm on"
 # vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
 # where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
 # runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
@@ -187,14 +187,18 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
 
     for row in csv.DictReader(path.open()):
         row = {k: (v or "").strip() for k, v in row.items() if k}
-        notes = row.get("notes", "")
-        if "fp8" in notes.lower() or "fp8" in (_note(row, "precision") or ""):
-            skip("FP8 (not priced)")
+        notes = row.get("notes", "").lower()
+        precision = "fp8" if "fp8" in notes else "bf16"
+        if precision == "fp8" and "rowwise" in notes:
+            skip("FP8 with row-wise scales (not priced)")
+            continue
+        if precision == "fp8" and not make_cluster(_gpu(row["gpu"]), 8, 8).gpu.fp8:
+            skip("FP8 on a GPU without FP8 tensor cores")
             continue
         if int(_note(row, "cp") or 1) > 1:
             skip("context parallel (not priced)")
             continue
-        if row["source"] == "torchtitan-H100" and _note(row, "precision") != "bf16":
+        if row["source"] == "torchtitan-H100" and not (_note(row, "precision") or "").startswith(("bf16", "fp8")):
             skip("precision not stated")
             continue
         if not row.get("tp") or not row.get("pp"):
@@ -202,10 +206,10 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             continue
         model, seq, gpus = _more_model(row), _int(row["seq"]), _int(row["n_gpus"])
         tp, pp, dp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"])
-        shape = TrainShape(seq, _int(row["global_bs"]))
+        shape = TrainShape(seq, _int(row["global_bs"]), precision)
         tokens = _number(_note(row, "tok_s_gpu") or "0")
         if not tokens and row.get("tflops_per_gpu"):
-            flops = model_flops_per_token(model, seq)
+            flops = model_flops_per_token(model, seq)  # the whole s x s square, as NeMo's older tables
             if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
                 flops += recompute_flops_per_token(model, seq, "full")  # the figure counts the rerun too
             tokens = float(row["tflops_per_gpu"]) * 1e12 / flops
@@ -214,7 +218,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             continue
         gpu, source = _gpu(row["gpu"]), row["source"]
         mem = _note(row, "mem_GiB")
-        group = (source, row["model"], gpu, gpus, seq)
+        group = (source, row["model"], gpu, gpus, seq) + ((precision,) if precision != "bf16" else ())
         label = row["model"]
         if source == "llm-foundry":
             stack = FSDP_PURE if _note(row, "fsdp_mp") == "PURE" else FSDP_AMP
@@ -224,22 +228,38 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             run = Run(name, source, group, model, cluster, shape, tokens, layout=layout, label=label)
         elif source == "torchtitan-H100":
             # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
-            cluster = make_cluster(gpu, gpus, 8, stack=FSDP_PURE)
+            async_tp = (_note(row, "asyncTP") or "").startswith("yes")
+            cluster = make_cluster(gpu, gpus, 8, stack=replace(FSDP_PURE, overlap_tp_comm=async_tp))
             recompute = "selective" if row["recompute"].startswith("sel") else row["recompute"]
+            # Interleaved 1F1B: torchtitan's default of two stages per rank.
+            vpp = 2 if "interleaved" in (_note(row, "pp_schedule") or "").lower() else 1
             layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=3, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
-                            recompute=recompute)
+                            recompute=recompute, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
             group = group + (_note(row, "compile") or "", _note(row, "asyncTP") or "")
             run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
-                      memory_gib=float(mem) if mem else None, label=label)
+                      memory_gib=_number(mem) if mem else None, label=label)
         elif source == "megatron-core":
             # Micro-batch, recomputation and schedule are not stated: searched, as N21.
             cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
             fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1}
-            run = Run(name, source, ("megatron-core", "weak scaling", row["model"]), model, cluster, shape, tokens,
-                      fixed=fixed, label=label)
+            vp = _note(row, "vp") or ""
+            if vp.isdigit() and int(vp) > 1:
+                fixed.update(schedule="interleaved", vpp=int(vp))
+            key = ("megatron-core", "weak scaling", row["model"]) + ((precision,) if precision != "bf16" else ())
+            run = Run(name, source, key, model, cluster, shape, tokens, fixed=fixed, label=label)
         elif source == "nemo":
-            skip("nemo: FP8 only")
-            continue
+            # NeMo's performance recipes: Megatron-Core with the distributed optimizer, its
+            # gradient reduction and parameter gathers overlapped; recomputation not stated.
+            cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
+            zero = 3 if "megatron-fsdp" in notes else 1
+            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1}
+            if row.get("micro_bs"):
+                fixed["micro_batch"] = _int(row["micro_bs"])
+            vp = _note(row, "vp") or ""
+            if vp.isdigit() and int(vp) > 1:
+                fixed.update(schedule="interleaved", vpp=int(vp))
+            group = group + (_note(row, "container") or "",)
+            run = Run(name, source, group, model, cluster, shape, tokens, fixed=fixed, label=label)
         else:
             run = _any_source(row, name, model, shape, tokens, group)
         run.unseen = unseen
@@ -250,7 +270,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
 # A source this module has no rule for: its stack from its name or notes, first match wins.
 STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"),
                ("foundry", "fsdp"), ("composer", "fsdp"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
-               ("ember", "ember"), ("megatron", "megatron"), ("nemo", "megatron"))
+               ("ember", "ember"), ("megatron", "megatron"), ("nemo", "nemo"))
 
 
 def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, tokens: float, group: tuple) -> Run:

@@ -29,7 +29,11 @@ efficiencies; all are per GPU and one direction:
   tensor cores (Shah et al. 2024, FlashAttention-3); PyTorch's SDPA runs FlashAttention-2.
   Ada is taken to be like Ampere at a lower clock (0.55). Turing and Volta have no
   FlashAttention-2 and run memory-efficient attention at a lower rate (0.35);
-- `hbm_eff`: the share of `hbm_gbps` that memory-bound (elementwise) kernels reach.
+- `hbm_eff`: the share of `hbm_gbps` that memory-bound (elementwise) kernels reach;
+- `fp8`: whether the tensor cores multiply FP8 (e4m3/e5m2), at twice their bf16 rate
+  (Hopper and Ada datasheets: H100 SXM 1,979 dense against 989). Large FP8 GEMMs reach
+  about the same share of that peak as bf16 ones (cuBLASLt, 8192^3 on H100 SXM: about
+  1,600 TFLOP/s, 0.81), so `matmul_eff` serves both.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class GPU:
     matmul_eff: float = 0.75
     attn_eff: float = 0.5
     hbm_eff: float = 0.8  # streaming kernels reach 80-90% of the datasheet bandwidth
+    fp8: bool = False  # FP8 tensor cores at twice the bf16 rate (Hopper, Ada)
     # Memory the device holds outside the training program: the CUDA context, cuBLAS and
     # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
     # group), which a calibration measures.
@@ -60,8 +65,8 @@ class GPU:
 _NV_A100 = dict(sms=108, intra_gbps=300.0, inter_gbps=25.0, matmul_eff=0.86, attn_eff=0.62)
 _NV_A800 = dict(_NV_A100, intra_gbps=200.0)
 _PCIE4 = dict(intra_gbps=25.0, inter_gbps=1.5625)
-_NV_H100 = dict(sms=132, intra_gbps=450.0, inter_gbps=50.0, matmul_eff=0.80, attn_eff=0.35)
-_PCIE5_H = dict(sms=114, intra_gbps=50.0, inter_gbps=1.5625, matmul_eff=0.75, attn_eff=0.35)
+_NV_H100 = dict(sms=132, intra_gbps=450.0, inter_gbps=50.0, matmul_eff=0.80, attn_eff=0.35, fp8=True)
+_PCIE5_H = dict(sms=114, intra_gbps=50.0, inter_gbps=1.5625, matmul_eff=0.75, attn_eff=0.35, fp8=True)
 
 # Most specific first: the first pattern that matches wins ("gh200" before "h200",
 # "h100.*pcie" before "h100"). A name that matches nothing is unknown (None), never guessed.
@@ -88,15 +93,15 @@ GPUS: tuple[GPU, ...] = (
     GPU("H200 NVL", 835e12, 141, r"h200.*nvl", hbm_gbps=4800, **dict(_PCIE5_H, sms=132)),
     GPU("H200 SXM", 989e12, 141, r"h200", hbm_gbps=4800, **_NV_H100),
     # Ada and Ampere inference cards: "NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G"
-    GPU("L40S", 362e12, 48, r"\bl40s\b", hbm_gbps=864, sms=142, attn_eff=0.55, **_PCIE4),
-    GPU("L40", 181e12, 48, r"\bl40\b", hbm_gbps=864, sms=142, attn_eff=0.55, **_PCIE4),
-    GPU("L4", 121e12, 24, r"\bl4\b", hbm_gbps=300, sms=58, attn_eff=0.55, **_PCIE4),
+    GPU("L40S", 362e12, 48, r"\bl40s\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
+    GPU("L40", 181e12, 48, r"\bl40\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
+    GPU("L4", 121e12, 24, r"\bl4\b", hbm_gbps=300, sms=58, attn_eff=0.55, fp8=True, **_PCIE4),
     # AWS's A10G trades tensor throughput for shader throughput: 70 TFLOP/s against the A10's 125.
     GPU("A10G", 70e12, 24, r"\ba10g\b", hbm_gbps=600, sms=80, attn_eff=0.55, **_PCIE4),
     GPU("A10", 125e12, 24, r"\ba10\b", hbm_gbps=600, sms=72, attn_eff=0.55, **_PCIE4),
     # GeForce: "NVIDIA GeForce RTX 4090"; variants (Ti, D, Laptop) differ, so match exactly.
     GPU("RTX 4090", 165.2e12, 24, r"rtx 4090$", hbm_gbps=1008, sms=128, intra_gbps=16, matmul_eff=0.80,
-        attn_eff=0.55),
+        attn_eff=0.55, fp8=True),
     GPU("RTX 3090", 71e12, 24, r"rtx 3090$", hbm_gbps=936, sms=82, intra_gbps=16, matmul_eff=0.80,
         attn_eff=0.55),
     GPU("RTX 2080 Ti", 56.9e12, 11, r"rtx 2080 ti$", hbm_gbps=616, sms=68, intra_gbps=10, attn_eff=0.35),

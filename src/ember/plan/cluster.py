@@ -115,6 +115,11 @@ class Stack:
     # the slowest pass in it (plan/predict.py: lockstep_s). False: Megatron-LM's and
     # PyTorch's 1F1B, where a stage starts its next pass as soon as its input is there.
     pipeline_lockstep: bool = False
+    # Whether sequence parallelism's all-gathers and reduce-scatters run beside the matmuls
+    # that consume or produce them, chunk by chunk (Megatron-Core's --tp-comm-overlap with
+    # Transformer Engine's userbuffers; torchtitan's async TP). False: each collective waits
+    # for the matmul before it and the matmul after it waits for the collective.
+    overlap_tp_comm: bool = False
 
     def runs_schedule(self, layout) -> bool:
         """Whether this software runs `layout`'s pipeline schedule: DeepSpeed's engine has

@@ -36,7 +36,9 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     plan.add_argument("--save-profile", metavar="FILE", help="write the resolved cluster profile as JSON")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
     plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    plan.add_argument("--precision", default="bf16", help="bf16 or fp16")
+    plan.add_argument("--precision", default="bf16",
+                      help="bf16, fp16, or fp8 (the weight matmuls in FP8 as Transformer Engine or torchao run "
+                           "them; other stacks than ember's, on GPUs with FP8 tensor cores)")
     plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style); "
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
@@ -101,6 +103,12 @@ def _setup(args):
         cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe), device_type))
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
+    if args.precision == "fp8" and cluster.stack.name == "ember":
+        raise ConfigError("ember's trainer trains in bf16; --precision fp8 prices other software: "
+                          "add --stack megatron, deepspeed or fsdp.")
+    if args.precision == "fp8" and not cluster.gpu.fp8:
+        raise ConfigError(f"{cluster.gpu.name} has no FP8 tensor cores (Hopper and Ada have); "
+                          "use --precision bf16.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top must be at least 1, not {args.top}.")

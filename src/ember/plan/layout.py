@@ -28,14 +28,16 @@ from ember.layout import RECOMPUTE, Layout, problems
 PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules the time model prices
 # (recompute, recompute_every) pairs the search tries.
 POLICIES = tuple((policy, 1) for policy in RECOMPUTE) + (("full", 2),)
-PRECISIONS = ("bf16", "fp16")
+PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
 class TrainShape:
     seq_len: int
     global_batch: int  # sequences per optimizer step
-    precision: str = "bf16"  # bf16 or fp16: 2-byte activations and weights, the same peak; fp32: a CPU run, 4-byte
+    # bf16 or fp16: 2-byte activations and weights, the same peak; fp8: also, with the weight
+    # matmuls in FP8 (plan/timing.py); fp32: a CPU run, 4-byte
+    precision: str = "bf16"
 
     @property
     def tokens(self) -> int:
@@ -109,6 +111,7 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
     balanced unequal ones) and checkpointing policies. `fixed` pins fields (e.g. tp, pp, dp);
     `ember_only` keeps the layouts ember's trainer runs (`ember.layout.problems(ember=True)`)."""
     fixed = fixed or {}
+    max_vpp = max(max_vpp, fixed.get("vpp", 0))  # a run's stated interleaving, however deep
     out = []
     for tp in divisors(n_gpus):
         if tp > gpus_per_node or model.heads % tp or model.kv_heads % tp:

@@ -16,7 +16,8 @@ grouped-query attention (K and V are 2·h_kv each), gated MLPs (gate and up outp
 plus the 2f down-projection input) and models without dropout (no masks). Without sequence
 parallelism the norm inputs, the QKV and MLP inputs and the residual dropout masks (10h)
 are replicated on every tensor-parallel rank. FlashAttention never stores the s×s
-softmax, only a 4-byte log-sum-exp per head and token.
+softmax, only a 4-byte log-sum-exp per head and token. An FP8 run keeps each weight
+matmul's input as its 1-byte cast (`fp8_saved_per_token`).
 
 The first pipeline stage holds the most micro-batches in flight: p under 1F1B (stage i
 holds p - i), all m under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule
@@ -146,6 +147,17 @@ def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str, 
                                                                         attention, stack)
 
 
+def fp8_saved_per_token(model, layout: Layout, stack: Stack = MEGATRON) -> float:
+    """Bytes per token and layer an FP8 run keeps less: Transformer Engine saves each weight
+    matmul's input for the weight gradient as its 1-byte FP8 cast, not in bf16 (the q/k/v
+    and MLP inputs, the attention projection's and the down projection's). Layers that
+    fully recompute keep only their input, which is not cast."""
+    h, f, t = model.hidden, model.mlp_hidden, layout.tp
+    kept = 1.0 - (layout.recomputed_fraction(model.layers) if layout.recompute == "full" else 0.0)
+    gathered_split = 1 if layout.sp and stack.sp_keeps_gathered else (t if layout.sp else 1)
+    return kept * (2 * h / gathered_split + (h + f) / t)
+
+
 def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
     """Micro-batches' worth of the stage's layers holding activations at the peak."""
     p, v, m = layout.pp, layout.vpp, micro_batches
@@ -222,6 +234,8 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     embedding, output = holds(layout, stage)
     tokens = s * b
     kept = layer_activation_bytes(model, s, layout, attention, stack)
+    if shape.precision == "fp8":
+        kept -= fp8_saved_per_token(model, layout, stack)
     acts = in_flight(layout, m, stage) * layers * tokens * kept
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)

@@ -36,8 +36,8 @@ from __future__ import annotations
 from ember.plan import comm
 
 # Compute beside a collective runs this much slower (fitted:
-# benchmarks/results/2026-11-25-planner-fit.txt).
-COMM_SLOWDOWN = 0.25
+# benchmarks/results/2026-11-26-planner-fit.txt).
+COMM_SLOWDOWN = 0.3
 
 
 def hidden_cost(comm_s: float, compute_s: float, exposed_floor_s: float = 0.0, overlap: bool = True) -> float:

@@ -24,7 +24,8 @@ pay all of it.
 
 Optimizer. Adam streams every local parameter's master weight, moments and gradient
 through HBM once (reads and writes: 26 bytes + 3 gradient reads/writes for clipping,
-stepping and zeroing); memory-bound.
+stepping and zeroing); memory-bound. An FP8 run then casts the weights it multiplies with
+(`fp8_weight_cast_s`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ember.cost import model_flops_per_token, recompute_flops_per_token
+from ember.config import ConfigError
+from ember.cost import matmul_params, model_flops_per_token, recompute_flops_per_token
 from ember.layout import Layout
 from ember.plan import comm, overlap, uncertainty
 from ember.plan.cluster import Cluster
@@ -48,6 +50,7 @@ from ember.plan.memory import (
 )
 from ember.plan.timing import (
     BACKWARD_KERNELS,
+    FP8_CAST_BYTES,
     Work,
     embed_times,
     fused_softmax,
@@ -121,8 +124,9 @@ def lockstep_s(forward: list[float], backward: list[float], micro_batches: int) 
 def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
     stack, width = cluster.stack, element_width(shape)
+    fp8 = shape.precision == "fp8"
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         stack.recompute_policy(lo.recompute), stack.attention, width)
+                         stack.recompute_policy(lo.recompute), stack.attention, width, fp8, stack.overlap_tp_comm)
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
@@ -131,7 +135,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     # Host calls per layer: its kernels, and its tensor-parallel collectives (each a
     # torch.distributed call that costs the host about as much as a launch).
     softmax_fused = fused_softmax(model, lo.micro_batch, shape.seq_len, lo.tp)
-    kernels, calls = layer_kernel_count(model, stack.attention, softmax_fused), tp_collectives(lo)
+    kernels, calls = layer_kernel_count(model, stack.attention, softmax_fused, fp8), tp_collectives(lo)
     rerun = kernels + (calls if lo.recompute == "full" else 0)
     fwd_kernels = n * (kernels + calls)
     bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun
@@ -156,6 +160,16 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
     return _as_run(fwd, fwd_kernels, stack, fwd_host) + between, _as_run(bwd, bwd_kernels, stack, bwd_host)
+
+
+def fp8_weight_cast_s(model, shape: TrainShape, lo: Layout, stage: int, gpu) -> float:
+    """Casting the weights the stage multiplies with to FP8 (and FP8 transposed), once per
+    step: Transformer Engine keeps them over the micro-batches of a step (Megatron-LM's
+    is_first_microbatch), and torchtitan runs one micro-batch per step. 0 outside FP8."""
+    if shape.precision != "fp8":
+        return 0.0
+    weights = matmul_params(model)["layer"] / lo.tp
+    return memory_s(lo.rank_layers(model)[stage] * weights * FP8_CAST_BYTES, gpu)
 
 
 def tp_collectives(lo: Layout) -> int:
@@ -206,6 +220,8 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links, slices
 
 def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
+    if shape.precision == "fp8" and not gpu.fp8:
+        raise ConfigError(f"{gpu.name} has no FP8 tensor cores (Hopper and Ada have); use --precision bf16.")
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
     m = lo.micro_batches(shape.global_batch)
     grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)
@@ -247,7 +263,8 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.dp_shard if lo.zero >= 1 else 1)
-        optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu))
+        optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu)
+                        + fp8_weight_cast_s(model, shape, lo, i, gpu))
 
     every_stage = [times[stand_in[i]] for i in range(lo.pp)]
     if stack.pipeline_lockstep and lo.pp > 1 and lo.vpp == 1:
@@ -276,10 +293,11 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention, stack)
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
-                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu))
+                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision))
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape))
+                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape),
+                         shape.precision == "fp8", cluster.stack.overlap_tp_comm)
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

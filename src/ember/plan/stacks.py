@@ -8,6 +8,11 @@ naming what that software does, not tuning ember's own constants to it:
 - `megatron`: Megatron-LM / Megatron-Core with its defaults: fp32 main gradients, the
   gradient all-reduce after the backward pass (--overlap-grad-reduce and
   --overlap-param-gather are off unless asked for), Transformer Engine flash attention.
+- `nemo`: the same Megatron-Core as NeMo's performance recipes (and Megatron-Core's own
+  scaling tables) run it: the distributed optimizer's gradient reduction and parameter
+  gathers overlapped with compute, and sequence parallelism's collectives overlapped with
+  the matmuls (--tp-comm-overlap, Transformer Engine userbuffers). Same kernels, so the
+  same fitted figures as `megatron`.
 - `megatron-2021`: Megatron-LM as Narayanan et al. ran it in 2021 (PyTorch 1.8-era kernels,
   unfused attention with its fused scale-mask-softmax, fp32 main gradients, no overlap):
   other software than today's Megatron-Core, so its kernel rate is its own.
@@ -41,7 +46,7 @@ from ember.plan.cluster import Stack
 
 # kernel_eff, attention_eff and host_s_per_kernel (and deepspeed's host_s_per_micro_batch)
 # of every stack but ember's: fitted
-# (benchmarks/results/2026-11-25-planner-fit.txt). Megatron-LM's selective recomputation
+# (benchmarks/results/2026-11-26-planner-fit.txt). Megatron-LM's selective recomputation
 # (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
 # every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
 # on odd counts within a block, attention and reduce-scatter outputs always) and the
@@ -49,7 +54,7 @@ from ember.plan.cluster import Stack
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
-                      overlap_param_gather=False, host_s_per_kernel=100e-6, kernel_eff=0.975, attention_eff=0.95,
+                      overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.975, attention_eff=0.95,
                       selective="attention", fused_loss=False, frees_grads=False,
                       sp_keeps_gathered=False, per_block_grads=False),
     "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
@@ -65,6 +70,10 @@ STACKS: dict[str, Stack] = {
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
                   attention_eff=0.55, selective="half-matmul", fused_loss=False),
 }
+
+
+STACKS["nemo"] = replace(STACKS["megatron"], name="nemo", overlap_grad_reduce=True, overlap_param_gather=True,
+                         overlap_tp_comm=True)
 
 
 def stack(name: str, **changes) -> Stack:

@@ -42,6 +42,16 @@ input and the incoming gradient). Activations are 2-byte (bf16 autocast); `width
 a run without autocast (fp32, as on a CPU): every activation byte count doubles, in memory
 traffic and in tensor-parallel messages alike.
 
+FP8. With `fp8` the four weight matmuls of every block run in FP8 as Transformer Engine and
+torchao's float8 training run them (tensor-wise scales; forward, input gradient and weight
+gradient all in FP8), at twice the bf16 peak on GPUs that have it; the attention core, the
+output layer and everything else stay bf16. A K step of the tile's main loop then takes
+half as long while its prologue and epilogue (loading, writing the bf16 output) do not, so
+the fixed cost is 2 x 64 K steps; operands move 1 byte per element. Each matmul's input is
+cast forward and its output gradient backward: read in bf16, written in FP8 and FP8
+transposed (Hopper's FP8 GEMMs take only the TN layout), 4 bytes per element, one kernel
+each. The weights' casts are paid once per step (plan/predict.py).
+
 Kernel launches. Every kernel leaves the GPU idle for about KERNEL_S = 3 µs beyond its work:
 the launch itself (~1 µs when launches are queued ahead, NVIDIA's "Getting Started with CUDA
 Graphs") and the ramp-up and tail of its grid, more when PyTorch's eager dispatch (several
@@ -54,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ember.plan import comm
+from ember.plan import comm, overlap
 from ember.cost import gated, kv_hidden, layer_matmuls
 
 TILE_M, TILE_N = 256, 128
@@ -73,17 +83,23 @@ LOSS_KERNELS = (9, 6)
 EMBED_KERNELS = (1, 5)
 UNFUSED_SOFTMAX_BYTES = (36, 40)  # forward, backward, per score element (see _attention_core)
 UNFUSED_SOFTMAX_KERNELS = 5
+FP8_SPEEDUP = 2  # FP8 tensor-core peak over bf16 (hardware.py: GPU.fp8)
+FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed written (1 + 1)
+FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
 
 
-def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1) -> float:
+def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
     waves = batch * m * n / (TILE_M * TILE_N * gpu.sms)
-    return gpu.matmul_eff * waves / (waves + WAVE_TAIL) * k / (k + K_OVERHEAD)
+    k_overhead = K_OVERHEAD * (FP8_SPEEDUP if fp8 else 1)
+    return gpu.matmul_eff * waves / (waves + WAVE_TAIL) * k / (k + k_overhead)
 
 
-def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1) -> float:
+def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
     flops = 2.0 * m * n * k * batch
-    memory = memory_s(2.0 * batch * (m * k + k * n + m * n), gpu)
-    tiled = flops / (gpu.peak_bf16_flops * matmul_efficiency(m, n, k, gpu, batch))
+    operand = 1.0 if fp8 else 2.0
+    memory = memory_s(batch * (operand * (m * k + k * n) + 2.0 * m * n), gpu)
+    peak = gpu.peak_bf16_flops * (FP8_SPEEDUP if fp8 else 1)
+    tiled = flops / (peak * matmul_efficiency(m, n, k, gpu, batch, fp8))
     # A matmul too skinny to fill the SMs with tiles runs as a matrix-vector kernel on the
     # CUDA cores instead (cuBLAS's GEMV and split-K paths): no tile tail, a lower rate.
     untiled = flops / (gpu.peak_bf16_flops / SIMT_RATIO)
@@ -173,19 +189,27 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: i
 
 @lru_cache(maxsize=4096)
 def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                attention: str, width: int = 1) -> LayerTimes:
+                attention: str, width: int = 1, fp8: bool = False, tp_overlap: bool = False) -> LayerTimes:
     """One transformer block's forward, backward and recomputation for one micro-batch;
-    `width` 2: 4-byte activations (no autocast)."""
+    `width` 2: 4-byte activations (no autocast); `fp8`: the weight matmuls in FP8;
+    `tp_overlap`: sequence parallelism's collectives run beside the weight matmuls
+    (Stack.overlap_tp_comm), priced as any overlapped communication (plan/overlap.py)."""
     tokens = mbs * seq
     h, f = model.hidden, model.mlp_hidden
-    fwd_mm = bwd_mm = 0.0
+    fwd_mm = bwd_mm = cast_fwd = cast_bwd = 0.0
+    per_matmul = []  # (forward, backward) of each weight matmul
     for name, (k, n) in layer_matmuls(model).items():
         if name in ("qkv", "up"):
             n = n / tp  # column parallel: the output is split
         else:
             k = k / tp  # row parallel: the input is split
-        fwd_mm += matmul_s(tokens, n, k, gpu)
-        bwd_mm += matmul_s(tokens, k, n, gpu) + matmul_s(k, n, tokens, gpu)  # input grad, weight grad
+        per_matmul.append((matmul_s(tokens, n, k, gpu, fp8=fp8),
+                           matmul_s(tokens, k, n, gpu, fp8=fp8) + matmul_s(k, n, tokens, gpu, fp8=fp8)))
+        fwd_mm += per_matmul[-1][0]
+        bwd_mm += per_matmul[-1][1]  # input grad, weight grad
+        if fp8:
+            cast_fwd += memory_s(tokens * k * FP8_CAST_BYTES, gpu)
+            cast_bwd += memory_s(tokens * n * FP8_CAST_BYTES, gpu)
     core_fwd, core_bwd = _attention_core(model, mbs, seq, tp, gpu, attention, width)
 
     mask = 1 if model.dropout else 0
@@ -196,7 +220,7 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
         per_token += 4 * (h + kv_hidden(model)) / tp
     elem_fwd = memory_s(tokens * per_token * width, gpu)
 
-    tp_fwd = 0.0
+    tp_fwd = tp_bwd = 0.0
     if tp > 1:  # two all-reduces, or with sequence parallelism two all-gathers + two reduce-scatters
         group = comm.place(tp, 1, links.gpus_per_node)
         activation = tokens * h * 2 * width
@@ -204,12 +228,21 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
             tp_fwd = 2 * (comm.all_gather_s(activation, group, links) + comm.reduce_scatter_s(activation, group, links))
         else:
             tp_fwd = 2 * comm.all_reduce_s(activation, group, links)
+        tp_bwd = tp_fwd
+        if sp and tp_overlap:
+            # Each weight matmul hides one collective of its pass, its all-gathered input or
+            # the reduce-scatter of its output (forward; backward the mirror image), fed in
+            # tp chunks: the first chunk's transfer (or the last's) stays exposed.
+            each = tp_fwd / len(per_matmul)
+            tp_fwd = sum(overlap.hidden_cost(each, fwd, each / tp) for fwd, _ in per_matmul)
+            tp_bwd = sum(overlap.hidden_cost(each, bwd, each / tp) for _, bwd in per_matmul)
 
     softmax_fused = fused_softmax(model, mbs, seq, tp)
     core_kernels = core_kernel_count(model, attention, softmax_fused)
-    kernels = layer_kernel_count(model, attention, softmax_fused)
-    forward = Work(matmul=fwd_mm, elementwise=elem_fwd, tp_comm=tp_fwd, launch=kernels * KERNEL_S) + core_fwd
-    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd, tp_comm=tp_fwd,
+    kernels = layer_kernel_count(model, attention, softmax_fused, fp8)
+    forward = Work(matmul=fwd_mm, elementwise=elem_fwd + cast_fwd, tp_comm=tp_fwd,
+                   launch=kernels * KERNEL_S) + core_fwd
+    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd + cast_bwd, tp_comm=tp_bwd,
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
@@ -232,13 +265,15 @@ def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
     return 2 + (1 if softmax_fused else UNFUSED_SOFTMAX_KERNELS) + (1 if model.dropout else 0)
 
 
-def layer_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
+def layer_kernel_count(model, attention: str, softmax_fused: bool = True, fp8: bool = False) -> int:
     """Compute kernels of one block's forward as fused training stacks launch them: two norms,
     four weight matmuls (gate and up are one), the activation, two fused bias-dropout-residual
-    adds, the rotary embedding of Q and K, and the attention core. Its backward launches about
-    twice as many (input and weight gradient of every matmul, two passes per norm)."""
+    adds, the rotary embedding of Q and K, and the attention core; in FP8, a cast before each
+    weight matmul. Its backward launches about twice as many (input and weight gradient of
+    every matmul, two passes per norm)."""
     rotary = 2 if model.positions == "rotary" else 0
-    return 2 + 4 + 1 + 2 + rotary + core_kernel_count(model, attention, softmax_fused)
+    casts = FP8_CAST_KERNELS if fp8 else 0
+    return 2 + 4 + 1 + 2 + rotary + casts + core_kernel_count(model, attention, softmax_fused)
 
 
 @lru_cache(maxsize=4096)
