@@ -40,7 +40,7 @@ HOST_S = [2e-6, 5e-6, 10e-6, 15e-6, 20e-6, 30e-6, 40e-6, 45e-6, 50e-6, 55e-6, 60
 MICRO_BATCH_S = [0.0, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3]
 PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
-SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5]
+SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]  # the 10-30% GEMMs lose beside NCCL (plan/overlap.py)
 TIE = 1e-4  # score differences below this are not a reason to move a constant
 FAMILY = {"nemo": "megatron"}  # stacks fitted together: the same software, other options
 

@@ -5,8 +5,9 @@ Three sets, each reported on its own (benchmarks/planner_accuracy.py):
   Llama 3 8B sweep on one A800 node.
 - `published_runs_more`: llm-foundry (FSDP, A100/H100, 8-512 GPUs), torchtitan (FSDP2,
   tensor parallelism), Megatron-Core (3D on up to 6,144 H100s) and NeMo, in bf16 and FP8
-  (tensor-wise scales). Rows with context parallelism or row-wise FP8 scales, which the
-  planner does not price, are skipped and every skipped row is counted with its reason.
+  (tensor-wise scales), with context parallelism where they used it. Rows with row-wise
+  FP8 scales, which the planner does not price, are skipped and every skipped row is
+  counted with its reason.
 - `vtrain`: 1,440 single-node Megatron-DeepSpeed runs (0.2-1.3 B, 2-8 A100s, full
   recomputation, unfused attention).
 
@@ -195,9 +196,6 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         if precision == "fp8" and not make_cluster(_gpu(row["gpu"]), 8, 8).gpu.fp8:
             skip("FP8 on a GPU without FP8 tensor cores")
             continue
-        if int(_note(row, "cp") or 1) > 1:
-            skip("context parallel (not priced)")
-            continue
         if row["source"] == "torchtitan-H100" and not (_note(row, "precision") or "").startswith(("bf16", "fp8")):
             skip("precision not stated")
             continue
@@ -205,7 +203,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             skip("layout not stated")
             continue
         model, seq, gpus = _more_model(row), _int(row["seq"]), _int(row["n_gpus"])
-        tp, pp, dp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"])
+        tp, pp, dp, cp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"]), _int(_note(row, "cp") or "1")
         shape = TrainShape(seq, _int(row["global_bs"]), precision)
         tokens = _number(_note(row, "tok_s_gpu") or "0")
         if not tokens and row.get("tflops_per_gpu"):
@@ -234,14 +232,14 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             # Interleaved 1F1B: torchtitan's default of two stages per rank.
             vpp = 2 if "interleaved" in (_note(row, "pp_schedule") or "").lower() else 1
             layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=3, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
-                            recompute=recompute, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
+                            recompute=recompute, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, cp=cp)
             group = group + (_note(row, "compile") or "", _note(row, "asyncTP") or "")
             run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
                       memory_gib=_number(mem) if mem else None, label=label)
         elif source == "megatron-core":
             # Micro-batch, recomputation and schedule are not stated: searched, as N21.
             cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
-            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1}
+            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1, "cp": cp}
             vp = _note(row, "vp") or ""
             if vp.isdigit() and int(vp) > 1:
                 fixed.update(schedule="interleaved", vpp=int(vp))
@@ -252,7 +250,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             # gradient reduction and parameter gathers overlapped; recomputation not stated.
             cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
             zero = 3 if "megatron-fsdp" in notes else 1
-            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1}
+            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1, "cp": cp}
             if row.get("micro_bs"):
                 fixed["micro_batch"] = _int(row["micro_bs"])
             vp = _note(row, "vp") or ""
@@ -281,7 +279,8 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
     recomputation when given, interleaving from a `vp=` note, sequence parallelism from an
     `sp=0/1` note (runs before 2022 had none). What is not given is searched, as the authors
     tuned theirs; `inter_gbps=` in the notes sets the network per GPU where it is not the
-    GPU's usual one. ZeRO shards over all data-parallel ranks."""
+    GPU's usual one; `cp=` sets context parallelism. ZeRO shards over all data-parallel
+    ranks (and the cp ranks among them)."""
     text = f"{row['source']} {row.get('notes', '')}".lower()
     named = _note(row, "stack") or next((s for word, s in STACK_WORDS if word in text), "megatron")
     inter = _note(row, "inter_gbps")
@@ -290,6 +289,8 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
                            stack=stack(named))
     zero = _int(row["zero"]) if row.get("zero") else 1
     fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp if zero else 1}
+    if int(_note(row, "cp") or 1) > 1:
+        fixed["cp"] = int(_note(row, "cp"))
     if _note(row, "sp"):
         fixed["sp"] = _note(row, "sp") == "1"
     if row.get("micro_bs"):

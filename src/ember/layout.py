@@ -50,6 +50,10 @@ class Layout:
     recompute: str = "none"
     recompute_every: int = 1
     stage_layers: tuple[int, ...] = ()  # layers of each of the pp x vpp stages; () = balanced
+    # Context parallelism: each sequence split over cp ranks that hold the same weights
+    # (ring attention). Other frameworks' layouts only: ember's trainer runs cp = 1, and the
+    # planner prices cp > 1 for the stacks that have it (plan/timing.py).
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world: int) -> "Layout":
@@ -64,7 +68,7 @@ class Layout:
     def settings(self, global_batch: int) -> dict[str, object]:
         """The config keys of this layout (`--set key=value` for `ember train`)."""
         keys = {f"parallel.{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("micro_batch", "stage_layers")}
+                if f.name not in ("micro_batch", "stage_layers", "cp")}
         keys["parallel.sp"] = str(self.sp).lower()
         if self.stage_layers:
             keys["parallel.stage_layers"] = "[" + ", ".join(map(str, self.stage_layers)) + "]"
@@ -76,7 +80,15 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks ZeRO shards model states over and gradients are reduced over beyond the
+        replicas: the dp_shard group, and with context parallelism its cp ranks, which hold
+        the same weights (Megatron-LM's distributed optimizer and torchtitan's FSDP shard
+        over both)."""
+        return self.dp_shard * self.cp
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -122,7 +134,8 @@ class Layout:
 
     def text(self) -> str:
         """The `ember plan --layout` form (the micro-batch is `mbs` there)."""
-        parts = [f"tp={self.tp}"] + (["sp=1"] if self.sp else []) + [f"pp={self.pp}"]
+        parts = ([f"tp={self.tp}"] + (["sp=1"] if self.sp else []) + ([f"cp={self.cp}"] if self.cp > 1 else [])
+                 + [f"pp={self.pp}"])
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}")
         if self.vpp > 1:
@@ -149,8 +162,16 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
     can price layouts other frameworks run. `fp32`: the run computes in fp32 (no autocast)."""
     lo, out = layout, []
     if world is not None and lo.gpus != world:
-        out.append(f"the layout pp x dp_replicate x dp_shard x tp = {lo.pp} x {lo.dp_replicate} x {lo.dp_shard} x "
-                   f"{lo.tp} = {lo.gpus} must equal the world size {world} (processes started by torchrun)")
+        names = ("pp", "dp_replicate", "dp_shard", "tp") + (("cp",) if lo.cp > 1 else ())
+        sizes = " x ".join(str(getattr(lo, name)) for name in names)
+        out.append(f"the layout {' x '.join(names)} = {sizes} = {lo.gpus} must equal the world size {world} "
+                   "(processes started by torchrun)")
+    if lo.cp > 1 and ember:
+        out.append(f"context parallelism (cp={lo.cp}) is not something ember's trainer runs; split long sequences "
+                   "with tensor and sequence parallelism, or price other software with --stack")
+    if lo.cp > 1 and seq_len is not None and seq_len % (2 * lo.cp):
+        out.append(f"context parallelism cuts each sequence into 2 x cp = {2 * lo.cp} chunks (two per rank, "
+                   f"balancing causal attention), so the sequence length ({seq_len}) must be divisible by {2 * lo.cp}")
     rows = lo.dp * lo.micro_batch
     if global_batch % rows:
         out.append(f"train.global_batch ({global_batch}) must be a multiple of data-parallel ranks x "
@@ -158,7 +179,7 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
     if batch_start and batch_start < rows:
         out.append(f"schedule.batch_start ({batch_start}) must be at least data-parallel ranks x train.micro_batch "
                    f"({rows}), the smallest step every rank can share")
-    if lo.zero > 0 and lo.dp_shard == 1:
+    if lo.zero > 0 and lo.shard_ranks == 1:
         out.append(f"parallel.zero={lo.zero} shards model states over parallel.dp_shard ranks, and dp_shard is 1, "
                    f"so it would save nothing; use parallel.zero=0 or a dp_shard above 1")
     if ember and lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1):

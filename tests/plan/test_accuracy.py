@@ -160,3 +160,11 @@ def test_large_runs_never_fitted(accuracy):
     errors = {(r["run"].label, r["run"].cluster.n_gpus): r["error"] for r in result["records"]}
     assert all(abs(errors["MT-NLG 530B", n]) <= 0.07 for n in (2240, 2800, 3360))
     assert all(abs(errors["Llama 3 405B", n]) <= 0.05 for n in (8192, 16384))
+
+
+def test_the_fit_moves_a_constant_only_when_the_rows_ask_for_it():
+    fit = _module("planner_fit")
+    costs = {0.1: 0.50, 0.2: 0.40, 0.3: 0.40 + fit.TIE / 2}
+    assert fit.choose(list(costs), 0.3, costs.get) == 0.3  # within TIE of the best: stays
+    assert fit.choose(list(costs), 0.1, costs.get) == 0.2  # beaten by more than TIE: moves
+    assert fit.choose([0.1, 0.2], 0.25, lambda v: {0.1: 0.5, 0.2: 0.4, 0.25: 0.3}[v]) == 0.25

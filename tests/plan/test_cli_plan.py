@@ -118,3 +118,14 @@ def test_missing_inputs_and_bad_profile(tmp_path, capsys):
     bad.write_text('{"gpu": {"name": "H100", "flops": 1}}')
     assert main(["plan", "--model", "llama3-8b", "--profile", str(bad), "--gpus", "8", "--global-batch", "8"]) == 2
     assert "unknown field(s) flops" in capsys.readouterr().err
+
+
+def test_another_stack_gets_its_layout_not_an_ember_command(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "16", "--seq-len", "8192",
+            "--global-batch", "64", "--stack", "megatron", "--precision", "fp8", "--top", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "best layout for --stack megatron: tp=" in out and "torchrun" not in out
+    assert main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["best"]["command"] is None and result["shape"]["precision"] == "fp8"

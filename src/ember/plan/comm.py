@@ -1,8 +1,9 @@
 """Collective and point-to-point communication: how long each takes on the link it crosses.
 
 Rank mapping. Global ranks are laid out with the tensor-parallel index varying fastest,
-then the ZeRO shard index, then the replica index, then the pipeline stage:
-    rank = tp_i + tp·(shard_i + dp_shard·(replica_i + dp_replicate·stage_i)),
+then the context-parallel index (cp, where a run has it), then the ZeRO shard index, then
+the replica index, then the pipeline stage:
+    rank = tp_i + tp·(cp_i + cp·(shard_i + dp_shard·(replica_i + dp_replicate·stage_i))),
 and node = rank // gpus_per_node. This is Megatron-LM's and DeepSpeed's order (tensor
 innermost, pipeline outermost) with the data-parallel axis split the way hybrid sharding
 does it (shard inside, replicate outside). So the chattiest group (tensor parallel, every
@@ -71,12 +72,14 @@ def place(size: int, stride: int, gpus_per_node: int) -> Group:
     return Group(size, per_node)
 
 
-def groups(tp: int, dp_shard: int, dp_replicate: int, pp: int, gpus_per_node: int) -> dict[str, Group]:
-    """The four groups of a layout under the rank mapping above."""
+def groups(tp: int, dp_shard: int, dp_replicate: int, pp: int, gpus_per_node: int, cp: int = 1) -> dict[str, Group]:
+    """The groups of a layout under the rank mapping above. `dp_shard` is the group ZeRO
+    shards over and gradients are reduced in before the replicas: the shard ranks and the
+    cp ranks inside them, which hold the same weights."""
     g = gpus_per_node
-    return {"tp": place(tp, 1, g), "dp_shard": place(dp_shard, tp, g),
-            "dp_replicate": place(dp_replicate, tp * dp_shard, g),
-            "pp": place(pp, tp * dp_shard * dp_replicate, g)}
+    return {"tp": place(tp, 1, g), "cp": place(cp, tp, g), "dp_shard": place(dp_shard * cp, tp, g),
+            "dp_replicate": place(dp_replicate, tp * cp * dp_shard, g),
+            "pp": place(pp, tp * cp * dp_shard * dp_replicate, g)}
 
 
 def bus_bandwidth(group: Group, links: Links) -> float:

@@ -142,7 +142,7 @@ def run_plan(args) -> int:
             raise ConfigError(f"--stack {cluster.stack.name} runs only its own pipeline schedule; "
                               "give schedule=1f1b for it.")
         p = rank(model, cluster, shape, [layout])[0]
-        command = report.train_command(p, model, recipe, cluster, shape)
+        command = _command(p, model, recipe, cluster, shape)
         if args.json:
             print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
                               "command": command, "notes": report.command_notes(model, recipe, layout, shape)
@@ -150,19 +150,20 @@ def run_plan(args) -> int:
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
-        report.print_text(console, report.memory_line(p) + "\n" + command)
+        report.print_text(console, report.memory_line(p) + ("\n" + command if command else ""))
         for note in report.command_notes(model, recipe, layout, shape) + report.interval_notes([p]):
             report.print_text(console, "note: " + note)
         return 0
 
-    result = search(model, cluster, shape)
+    # Other software's search space is its own: layouts ember's trainer refuses count there.
+    result = search(model, cluster, shape, ember_only=cluster.stack.name == "ember")
     if not result.ranked:
         smallest = min(result.too_big, key=lambda p: p.memory.total)
         raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per GPU on "
                           f"{cluster.n_gpus} GPUs; the leanest ({smallest.layout.text()}) needs "
                           f"{smallest.memory.total / 2**30:.0f} GiB, so add GPUs or shorten the batch or sequence.")
     best, others = result.best, runners_up(result)
-    command = report.train_command(best, model, recipe, cluster, shape)
+    command = _command(best, model, recipe, cluster, shape)
     fastest_too_big = result.too_big[0] if result.too_big else None
     if args.json:
         out = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
@@ -186,10 +187,23 @@ def run_plan(args) -> int:
         report.print_text(console, "note: " + note)
     if args.explain:
         report.print_text(console, "\n" + report.explain(best, others, fastest_too_big))
+    if command is None:
+        report.print_text(console, f"\nbest layout for --stack {cluster.stack.name}: {best.layout.text()}")
+        return 0
     report.print_text(console, "\ntrain with the best layout:\n" + command)
     for note in report.command_notes(model, recipe):
         report.print_text(console, "note: " + note)
     return 0
+
+
+def _command(p, model, recipe, cluster, shape) -> str | None:
+    """The `ember train` line for a layout priced for ember's trainer; None for another
+    stack's, which that software runs with its own options."""
+    from ember.plan import report
+
+    if cluster.stack.name != "ember":
+        return None
+    return report.train_command(p, model, recipe, cluster, shape)
 
 
 def run_calibrate(args) -> int:

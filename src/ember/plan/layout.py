@@ -44,7 +44,7 @@ class TrainShape:
         return self.seq_len * self.global_batch
 
 
-_INT_KEYS = ("tp", "pp", "dp", "dp_shard", "dp_replicate", "zero", "vpp", "mbs", "recompute_every")
+_INT_KEYS = ("tp", "cp", "pp", "dp", "dp_shard", "dp_replicate", "zero", "vpp", "mbs", "recompute_every")
 _KEYS = _INT_KEYS + ("sp", "schedule", "recompute", "stage_layers")
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -69,7 +69,8 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     for key, choices in (("schedule", PRICED_SCHEDULES), ("recompute", RECOMPUTE)):
         if values.get(key, choices[0]) not in choices:
             raise ConfigError(f"--layout {key} must be one of {', '.join(choices)}, not {values[key]!r}.")
-    tp, pp, vpp, zero = ints.get("tp", 1), ints.get("pp", 1), ints.get("vpp", 1), ints.get("zero", 0)
+    tp, pp, vpp, zero, cp = (ints.get(k, 1) for k in ("tp", "pp", "vpp", "zero", "cp"))
+    zero = ints.get("zero", 0)
     if zero > 3:
         raise ConfigError(f"--layout zero must be 0, 1, 2 or 3, not {zero}.")
     if "dp" in ints:
@@ -77,7 +78,7 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     elif "dp_shard" in ints and "dp_replicate" in ints:
         dp = ints["dp_shard"] * ints["dp_replicate"]
     else:
-        dp = max(1, n_gpus // (tp * pp))
+        dp = max(1, n_gpus // (tp * cp * pp))
     if zero:  # shard over every data-parallel rank unless told otherwise
         shard = ints.get("dp_shard", dp // ints.get("dp_replicate", 1))
     else:
@@ -95,7 +96,7 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
                   sp=values.get("sp", "0") in _TRUE and tp > 1, vpp=vpp, schedule=schedule,
                   micro_batch=ints.get("mbs", 1), recompute=values.get("recompute", "none"),
                   recompute_every=ints.get("recompute_every", 1),
-                  stage_layers=tuple(int(n) for n in split.split("/")) if split else ())
+                  stage_layers=tuple(int(n) for n in split.split("/")) if split else (), cp=cp)
 
 
 def divisors(n: int) -> list[int]:
@@ -112,17 +113,19 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
     `ember_only` keeps the layouts ember's trainer runs (`ember.layout.problems(ember=True)`)."""
     fixed = fixed or {}
     max_vpp = max(max_vpp, fixed.get("vpp", 0))  # a run's stated interleaving, however deep
+    cp = fixed.get("cp", 1)  # context parallelism is priced where a run states it, not searched
     out = []
-    for tp in divisors(n_gpus):
+    for tp in divisors(n_gpus // cp):
         if tp > gpus_per_node or model.heads % tp or model.kv_heads % tp:
             continue
-        for pp in divisors(n_gpus // tp):
-            dp = n_gpus // (tp * pp)
+        for pp in divisors(n_gpus // (tp * cp)):
+            dp = n_gpus // (tp * cp * pp)
             if model.layers < pp or shape.global_batch % dp:
                 continue
             if any(fixed.get(key, value) != value for key, value in (("tp", tp), ("pp", pp), ("dp", dp))):
                 continue
-            shards = sorted(({dp} | {d for d in divisors(dp) if d * tp <= gpus_per_node}) - {1})
+            # A shard group of one rank saves nothing, unless cp ranks share it.
+            shards = sorted(({dp} | {d for d in divisors(dp) if d * tp <= gpus_per_node}) - ({1} if cp == 1 else set()))
             data = [(0, 1, dp)] + [(zero, s, dp // s) for zero in (1, 2, 3) for s in shards]
             # Interleaving cuts each rank's layers into vpp chunks. When pp divides the layers,
             # equal chunks exist and are the ones offered: unequal chunks on one rank stall the
@@ -136,7 +139,7 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
             seq_parallel = (False, True) if tp > 1 else (False,)
             for (zero, shard, rep), mbs, (schedule, vpp), sp, (recompute, every) in itertools.product(
                     data, micro, schedules, seq_parallel, POLICIES):
-                layout = Layout(tp, pp, shard, rep, zero, sp, vpp, schedule, mbs, recompute, every)
+                layout = Layout(tp, pp, shard, rep, zero, sp, vpp, schedule, mbs, recompute, every, cp=cp)
                 pinned = all(getattr(layout, k) == v for k, v in fixed.items() if k not in ("tp", "pp", "dp"))
                 if pinned and not problems(layout, model, shape.global_batch, n_gpus, seq_len=shape.seq_len,
                                            ember=ember_only):

@@ -2,7 +2,8 @@
 
 Model states (mixed-precision Adam, Rajbhandari et al. 2020): 2 bytes of bf16 weight,
 2 of gradient (4 where the stack keeps fp32 main gradients) and 12 of fp32 master weight
-and two moments per parameter. ZeRO-1 shards the 12 over the dp_shard ranks, ZeRO-2 also
+and two moments per parameter. ZeRO-1 shards the 12 over the dp_shard ranks (and the cp
+ranks among them, which hold the same weights: `Layout.shard_ranks`), ZeRO-2 also
 the gradients, ZeRO-3 also the weights.
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, arXiv 2205.05198), in
@@ -219,7 +220,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     a fused loss, gradients freed every step, sequence parallelism's gathered inputs)."""
     s, b, t = shape.seq_len, layout.micro_batch, layout.tp
     m = layout.micro_batches(shape.global_batch)
-    shard = layout.dp_shard
+    shard = layout.shard_ranks
     fp32 = shape.precision == "fp32"
     width = 2 if fp32 else 1  # activations are counted in 2-byte elements
     grad_bytes = 4 if fp32 else grad_bytes
@@ -232,7 +233,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
-    tokens = s * b
+    tokens = s * b / layout.cp  # a rank holds 1/cp of each sequence
     kept = layer_activation_bytes(model, s, layout, attention, stack)
     if shape.precision == "fp8":
         kept -= fp8_saved_per_token(model, layout, stack)
@@ -274,7 +275,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         largest = max(model.padded_vocab * model.hidden / t, model.hidden * model.mlp_hidden / t)
         step = 2 * 4 * largest / (shard if layout.zero >= 3 else 1)
         transient = max(transient, step - acts - logits)
-    comm = BUCKET_BYTES if layout.dp > 1 else 0.0
+    comm = BUCKET_BYTES if layout.dp * layout.cp > 1 else 0.0
     if layout.zero in (1, 2) and shard > 1 and stack.per_block_grads:
         # Each block's gradients are made whole and reduce-scattered while the next block's
         # backward runs: two blocks' unsharded gradients at once.

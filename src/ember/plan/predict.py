@@ -126,7 +126,9 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     stack, width = cluster.stack, element_width(shape)
     fp8 = shape.precision == "fp8"
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         stack.recompute_policy(lo.recompute), stack.attention, width, fp8, stack.overlap_tp_comm)
+                         stack.recompute_policy(lo.recompute), stack.attention, width, fp8, stack.overlap_tp_comm,
+                         lo.cp)
+    local_seq = shape.seq_len // lo.cp  # the tokens of each sequence this rank holds
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
     # Only the layers `recompute_every` covers rerun their forward.
@@ -146,16 +148,16 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     fwd_host = n * tp_host * share
     bwd_host = n * tp_host * (1 - share) + (again * tp_host * share if lo.recompute == "full" else 0.0)
     if embedding:
-        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
+        embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, local_seq, lo.micro_batch, lo.tp,
                                            lo.sp, width)
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
     if output:
-        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp,
+        head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, local_seq, lo.micro_batch, lo.tp,
                                         lo.sp, width)
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)
-                          / (lo.dp_shard if lo.zero >= 2 else 1), gpu=cluster.gpu)
+                          / (lo.shard_ranks if lo.zero >= 2 else 1), gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
@@ -210,7 +212,7 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links, slices
     NVLink; with sequence parallelism the slice is what the next layer takes. A stack
     without the optimisation (`Stack.p2p_slices` False) sends the whole tensor from every
     rank, each over its own link, and needs no gather."""
-    full = lo.micro_batch * shape.seq_len * model.hidden * 2 * element_width(shape)
+    full = lo.micro_batch * shape.seq_len / lo.cp * model.hidden * 2 * element_width(shape)
     if not slices:
         return comm.p2p_s(full, groups["pp"], links)
     send = comm.p2p_s(full / lo.tp, groups["pp"], links)
@@ -222,7 +224,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     if shape.precision == "fp8" and not gpu.fp8:
         raise ConfigError(f"{gpu.name} has no FP8 tensor cores (Hopper and Ada have); use --precision bf16.")
-    groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node)
+    groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node, lo.cp)
     m = lo.micro_batches(shape.global_batch)
     grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)
     p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links, stack.p2p_slices) if lo.pp > 1 else 0.0
@@ -251,18 +253,18 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         halves[i] = (fwd.total + p2p / 2, bwd.total + p2p / 2 + per_mb)
         parts[i] = (fwd + bwd, per_mb)
 
-        if lo.zero == 0:
-            reduce = comm.all_reduce_s(grads, rep, links)
+        if lo.zero == 0:  # over the replicas, and the cp ranks that hold the same weights
+            reduce = comm.all_reduce_s(grads, rep, links) + comm.all_reduce_s(grads, shard, links)
         elif lo.zero == 1:
-            reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.dp_shard, rep, links)
+            reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
         else:
-            reduce = comm.all_reduce_s(grads / lo.dp_shard, rep, links)
+            reduce = comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
         # The last micro-batch's backward hides the step's reduction, all but its last bucket.
         reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
         gather = comm.all_gather_s(params * weight_bytes, shard, links) if lo.zero in (1, 2) else 0.0
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
-        local = params / (lo.dp_shard if lo.zero >= 1 else 1)
+        local = params / (lo.shard_ranks if lo.zero >= 1 else 1)
         optimizer = max(optimizer, memory_s(local * (ADAM_BYTES + 3 * grad_bytes), gpu)
                         + fp8_weight_cast_s(model, shape, lo, i, gpu))
 
@@ -299,5 +301,5 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape),
-                         shape.precision == "fp8", cluster.stack.overlap_tp_comm)
+                         shape.precision == "fp8", cluster.stack.overlap_tp_comm, lo.cp)
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

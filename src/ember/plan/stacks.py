@@ -67,8 +67,8 @@ STACKS: dict[str, Stack] = {
                        kernel_eff=1.025, selective="attention", fused_loss=False, frees_grads=False,
                        sp_keeps_gathered=False, per_block_grads=False, p2p_slices=False,
                        pipeline_lockstep=True),
-    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.8,
-                  attention_eff=0.55, selective="half-matmul", fused_loss=False),
+    "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.85,
+                  attention_eff=0.5, selective="half-matmul", fused_loss=False),
 }
 
 

@@ -122,7 +122,7 @@ class Work:
     matmul: float = 0.0
     attention: float = 0.0
     elementwise: float = 0.0
-    tp_comm: float = 0.0
+    tp_comm: float = 0.0  # tensor- and context-parallel communication left exposed
     launch: float = 0.0  # the GPU idles between kernels: KERNEL_S per compute kernel
 
     @property
@@ -189,12 +189,14 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: i
 
 @lru_cache(maxsize=4096)
 def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                attention: str, width: int = 1, fp8: bool = False, tp_overlap: bool = False) -> LayerTimes:
+                attention: str, width: int = 1, fp8: bool = False, tp_overlap: bool = False,
+                cp: int = 1) -> LayerTimes:
     """One transformer block's forward, backward and recomputation for one micro-batch;
     `width` 2: 4-byte activations (no autocast); `fp8`: the weight matmuls in FP8;
     `tp_overlap`: sequence parallelism's collectives run beside the weight matmuls
-    (Stack.overlap_tp_comm), priced as any overlapped communication (plan/overlap.py)."""
-    tokens = mbs * seq
+    (Stack.overlap_tp_comm), priced as any overlapped communication (plan/overlap.py);
+    `cp`: the sequence split over cp ranks (`_context_parallel`)."""
+    tokens = mbs * seq / cp
     h, f = model.hidden, model.mlp_hidden
     fwd_mm = bwd_mm = cast_fwd = cast_bwd = 0.0
     per_matmul = []  # (forward, backward) of each weight matmul
@@ -211,6 +213,10 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
             cast_fwd += memory_s(tokens * k * FP8_CAST_BYTES, gpu)
             cast_bwd += memory_s(tokens * n * FP8_CAST_BYTES, gpu)
     core_fwd, core_bwd = _attention_core(model, mbs, seq, tp, gpu, attention, width)
+    cp_fwd = cp_bwd = 0.0
+    if cp > 1:
+        core_fwd, core_bwd, cp_fwd, cp_bwd = _context_parallel(model, links, mbs, seq, tp, cp, width,
+                                                               core_fwd, core_bwd)
 
     mask = 1 if model.dropout else 0
     split = tp if sp else 1
@@ -240,9 +246,9 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     softmax_fused = fused_softmax(model, mbs, seq, tp)
     core_kernels = core_kernel_count(model, attention, softmax_fused)
     kernels = layer_kernel_count(model, attention, softmax_fused, fp8)
-    forward = Work(matmul=fwd_mm, elementwise=elem_fwd + cast_fwd, tp_comm=tp_fwd,
+    forward = Work(matmul=fwd_mm, elementwise=elem_fwd + cast_fwd, tp_comm=tp_fwd + cp_fwd,
                    launch=kernels * KERNEL_S) + core_fwd
-    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd + cast_bwd, tp_comm=tp_bwd,
+    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd + cast_bwd, tp_comm=tp_bwd + cp_bwd,
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
@@ -255,6 +261,23 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     else:
         again = Work()
     return LayerTimes(forward, backward, again)
+
+
+def _context_parallel(model, links, mbs: int, seq: int, tp: int, cp: int, width: int,
+                      core_fwd: Work, core_bwd: Work) -> tuple[Work, Work, float, float]:
+    """Ring attention over cp ranks (Megatron-Core/Transformer Engine's P2P context
+    parallelism, torchtitan's ring attention): each rank holds two of the sequence's 2·cp
+    chunks, so causal attention's work is shared evenly and each rank does 1/cp of it, and
+    in cp − 1 steps it passes its key and value blocks to the next rank while it attends to
+    the ones it holds. The backward pass sends them again with their gradients (twice the
+    bytes). The sends hide behind the attention they run beside (plan/overlap.py); the cp
+    group's link is the rank mapping's (plan/comm.py: cp next to tp)."""
+    group = comm.place(cp, tp, links.gpus_per_node)
+    blocks = 2 * mbs * (seq / cp) * kv_hidden(model) / tp * 2 * width  # K and V, bf16
+    ring = (cp - 1) * comm.p2p_s(blocks, group, links)
+    fwd, bwd = core_fwd * (1 / cp), core_bwd * (1 / cp)
+    return (fwd, bwd, overlap.hidden_cost(ring, fwd.compute),
+            overlap.hidden_cost(2 * ring, bwd.compute))
 
 
 def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
