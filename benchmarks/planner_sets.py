@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ember.cost import model_flops_per_token, recompute_flops_per_token
+from ember.hardware import find_gpu, gpu_by_name
 from ember.layout import Layout
 from ember.plan.cluster import Cluster, make_cluster
 from ember.plan.layout import TrainShape
@@ -122,7 +123,8 @@ def _gpu(text: str) -> str:
                          ("H200", "H200"), ("H100", "H100")):
         if name.startswith(pattern):
             return gpu
-    return name
+    found = find_gpu(name)  # as a device reports it ("DGX-B200", "NVIDIA GB200")
+    return found.name if found else name
 
 
 def published_runs(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
@@ -190,10 +192,17 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         row = {k: (v or "").strip() for k, v in row.items() if k}
         notes = row.get("notes", "").lower()
         precision = "fp8" if "fp8" in notes else "bf16"
+        table_gpu = gpu_by_name(_gpu(row.get("gpu", "")))
+        if table_gpu is None:
+            skip("GPU not in ember's table")
+            continue
+        if "fp4" in notes:
+            skip("FP4 (not priced)")
+            continue
         if precision == "fp8" and "rowwise" in notes:
             skip("FP8 with row-wise scales (not priced)")
             continue
-        if precision == "fp8" and not make_cluster(_gpu(row["gpu"]), 8, 8).gpu.fp8:
+        if precision == "fp8" and not table_gpu.fp8:
             skip("FP8 on a GPU without FP8 tensor cores")
             continue
         if row["source"] == "torchtitan-H100" and not (_note(row, "precision") or "").startswith(("bf16", "fp8")):
@@ -245,7 +254,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
                 fixed.update(schedule="interleaved", vpp=int(vp))
             key = ("megatron-core", "weak scaling", row["model"]) + ((precision,) if precision != "bf16" else ())
             run = Run(name, source, key, model, cluster, shape, tokens, fixed=fixed, label=label)
-        elif source == "nemo":
+        elif source.lower() == "nemo":
             # NeMo's performance recipes: Megatron-Core with the distributed optimizer, its
             # gradient reduction and parameter gathers overlapped; recomputation not stated.
             cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
@@ -267,13 +276,14 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
 
 # A source this module has no rule for: its stack from its name or notes, first match wins.
 STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"),
+               ("nemo", "nemo"), ("megatron-bridge", "nemo"), ("megatron-fsdp", "nemo"),
                ("foundry", "fsdp"), ("composer", "fsdp"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
-               ("ember", "ember"), ("megatron", "megatron"), ("nemo", "nemo"))
+               ("ember", "ember"), ("megatron", "megatron"))
 
 
 def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, tokens: float, group: tuple) -> Run:
     """A run from a source without its own rule, read from what the row says. The stack is
-    a `stack=` note or the first of STACK_WORDS in the source's name and notes (else
+    a `stack=` note or the first of STACK_WORDS as a word of the source's name and notes (else
     Megatron-LM, which most published 3D runs used); the layout is tp, pp, dp and zero
     from the columns (zero 1, the distributed optimizer, when empty), the micro-batch and
     recomputation when given, interleaving from a `vp=` note, sequence parallelism from an
@@ -282,7 +292,8 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
     GPU's usual one; `cp=` sets context parallelism. ZeRO shards over all data-parallel
     ranks (and the cp ranks among them)."""
     text = f"{row['source']} {row.get('notes', '')}".lower()
-    named = _note(row, "stack") or next((s for word, s in STACK_WORDS if word in text), "megatron")
+    named = _note(row, "stack") or next((s for word, s in STACK_WORDS if re.search(rf"\b{word}\b", text)),
+                                        "megatron")
     inter = _note(row, "inter_gbps")
     tp, pp, dp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"])
     cluster = make_cluster(_gpu(row["gpu"]), _int(row["n_gpus"]), 8, inter_gbps=_number(inter) if inter else None,

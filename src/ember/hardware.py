@@ -31,8 +31,8 @@ efficiencies; all are per GPU and one direction:
   FlashAttention-2 and run memory-efficient attention at a lower rate (0.35);
 - `hbm_eff`: the share of `hbm_gbps` that memory-bound (elementwise) kernels reach;
 - `fp8`: whether the tensor cores multiply FP8 (e4m3/e5m2), at twice their bf16 rate
-  (Hopper and Ada datasheets: H100 SXM 1,979 dense against 989). Large FP8 GEMMs reach
-  about the same share of that peak as bf16 ones (cuBLASLt, 8192^3 on H100 SXM: about
+  (Hopper, Ada and Blackwell datasheets: H100 SXM 1,979 dense against 989). Large FP8 GEMMs
+  reach about the same share of that peak as bf16 ones (cuBLASLt, 8192^3 on H100 SXM: about
   1,600 TFLOP/s, 0.81), so `matmul_eff` serves both.
 """
 
@@ -55,7 +55,7 @@ class GPU:
     matmul_eff: float = 0.75
     attn_eff: float = 0.5
     hbm_eff: float = 0.8  # streaming kernels reach 80-90% of the datasheet bandwidth
-    fp8: bool = False  # FP8 tensor cores at twice the bf16 rate (Hopper, Ada)
+    fp8: bool = False  # FP8 tensor cores at twice the bf16 rate (Hopper, Ada, Blackwell)
     # Memory the device holds outside the training program: the CUDA context, cuBLAS and
     # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
     # group), which a calibration measures.
@@ -67,6 +67,11 @@ _NV_A800 = dict(_NV_A100, intra_gbps=200.0)
 _PCIE4 = dict(intra_gbps=25.0, inter_gbps=1.5625)
 _NV_H100 = dict(sms=132, intra_gbps=450.0, inter_gbps=50.0, matmul_eff=0.80, attn_eff=0.35, fp8=True)
 _PCIE5_H = dict(sms=114, intra_gbps=50.0, inter_gbps=1.5625, matmul_eff=0.75, attn_eff=0.35, fp8=True)
+# Blackwell (DGX B200, GB200 NVL72 datasheets): dense bf16 2.25 / 2.5 PFLOP/s, FP8 twice that,
+# 8 TB/s HBM3e, NVLink 5 at 1.8 TB/s both ways, 400 Gb/s per GPU between nodes. No large-GEMM
+# or attention efficiency has been published to carry over: 0.75 and 0.5 are assumptions,
+# for `ember plan calibrate` to replace.
+_NV_B200 = dict(sms=148, intra_gbps=900.0, inter_gbps=50.0, matmul_eff=0.75, attn_eff=0.5, fp8=True)
 
 # Most specific first: the first pattern that matches wins ("gh200" before "h200",
 # "h100.*pcie" before "h100"). A name that matches nothing is unknown (None), never guessed.
@@ -92,6 +97,10 @@ GPUS: tuple[GPU, ...] = (
     GPU("H800 SXM", 989e12, 80, r"h800", hbm_gbps=3350, **dict(_NV_H100, intra_gbps=200.0)),
     GPU("H200 NVL", 835e12, 141, r"h200.*nvl", hbm_gbps=4800, **dict(_PCIE5_H, sms=132)),
     GPU("H200 SXM", 989e12, 141, r"h200", hbm_gbps=4800, **_NV_H100),
+    # Blackwell: "NVIDIA B200", "NVIDIA GB200". GB200's NVLink reaches the 72 GPUs of an NVL72
+    # rack (`--gpus-per-node 72` prices that); see _NV_B200 for what is assumed.
+    GPU("GB200", 2.5e15, 186, r"gb200", hbm_gbps=8000, **_NV_B200),
+    GPU("B200", 2.25e15, 180, r"\bb200", hbm_gbps=8000, **_NV_B200),
     # Ada and Ampere inference cards: "NVIDIA L4", "NVIDIA L40S", "NVIDIA A10G"
     GPU("L40S", 362e12, 48, r"\bl40s\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
     GPU("L40", 181e12, 48, r"\bl40\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
@@ -121,7 +130,7 @@ _ALIASES = {
     "a800": "A800 SXM4 80GB", "a80080gb": "A800 SXM4 80GB",
     "h100": "H100 SXM", "h10080gb": "H100 SXM", "h800": "H800 SXM", "h80080gb": "H800 SXM",
     "h200": "H200 SXM", "h200141gb": "H200 SXM",
-    "4090": "RTX 4090", "2080ti": "RTX 2080 Ti", "3090": "RTX 3090",
+    "4090": "RTX 4090", "2080ti": "RTX 2080 Ti", "3090": "RTX 3090", "b200": "B200", "gb200": "GB200",
 }
 
 

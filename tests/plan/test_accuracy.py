@@ -103,9 +103,12 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,400,,,8,14336\n"
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,600,,precision=fp8,8,14336\n"
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,A100 SXM4,16,2,1,8,,,64,,300,,precision=fp8,8,14336\n"
-                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,500,,fp8 rowwise,8,14336\n")
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,500,,fp8 rowwise,8,14336\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,DGX-B200,16,2,1,8,,,64,,900,,precision=nvfp4,8,14336\n"
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,B300 SXM6,16,2,1,8,,,64,,900,,,8,14336\n")
     runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
-    assert skipped == {"FP8 on a GPU without FP8 tensor cores": 1, "FP8 with row-wise scales (not priced)": 1}
+    assert skipped == {"FP8 on a GPU without FP8 tensor cores": 1, "FP8 with row-wise scales (not priced)": 1,
+                       "FP4 (not priced)": 1, "GPU not in ember's table": 1}
     assert len(runs) == 3 and all(r.held_out for r in runs)
     ds, llama, fp8 = runs
     assert [r.shape.precision for r in runs] == ["bf16", "bf16", "fp8"] and fp8.group != llama.group
@@ -168,3 +171,15 @@ def test_the_fit_moves_a_constant_only_when_the_rows_ask_for_it():
     assert fit.choose(list(costs), 0.3, costs.get) == 0.3  # within TIE of the best: stays
     assert fit.choose(list(costs), 0.1, costs.get) == 0.2  # beaten by more than TIE: moves
     assert fit.choose([0.1, 0.2], 0.25, lambda v: {0.1: 0.5, 0.2: 0.4, 0.25: 0.3}[v]) == 0.25
+
+
+def test_a_runs_file_names_its_stack_by_whole_words(tmp_path):
+    import planner_sets
+
+    row = "{},Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,1,1,64,,,,tok_s_gpu=5000; cp={},8,14336\n"
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + row.format("NeMo 25.11 (Megatron-Bridge)", 1) + row.format("Nemotron-4 (Megatron-Core)", 1)
+                    + row.format("Lab Z (Megatron-FSDP)", 1) + row.format("Lab Z (torchtitan)", 2))
+    runs, _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    assert [r.cluster.stack.name for r in runs] == ["nemo", "megatron", "nemo", "fsdp"]
+    assert runs[3].fixed["cp"] == 2 and "cp" not in runs[0].fixed

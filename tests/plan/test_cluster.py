@@ -18,16 +18,16 @@ def test_short_names(typed, name):
     assert gpu_by_name(typed).name == name
 
 
-@pytest.mark.parametrize("typed", ["B200", "", "H20", "4080"])
+@pytest.mark.parametrize("typed", ["B300", "", "H20", "4080"])
 def test_unknown_names(typed):
     assert gpu_by_name(typed) is None
 
 
 def test_planner_fields_are_sane():
     for gpu in GPUS:
-        assert 100 <= gpu.hbm_gbps <= 5000 and 40 <= gpu.sms <= 160
+        assert 100 <= gpu.hbm_gbps <= 8000 and 40 <= gpu.sms <= 160
         assert 0.5 <= gpu.matmul_eff <= 0.9 and 0.3 <= gpu.attn_eff <= 0.7
-        assert 1 <= gpu.inter_gbps <= gpu.intra_gbps <= 450
+        assert 1 <= gpu.inter_gbps <= gpu.intra_gbps <= 900  # NVLink 5: 1.8 TB/s both ways
     a800, a100 = gpu_by_name("A800"), gpu_by_name("A100-80GB")
     assert a800.intra_gbps < a100.intra_gbps and a800.peak_bf16_flops == a100.peak_bf16_flops
 

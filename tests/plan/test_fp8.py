@@ -93,3 +93,13 @@ def test_fp8_predictions_are_held_to_what_fp8_runs_published():
     assert interval(lo, "H100 SXM", 1000.0, 0.7)["above_published"] is True  # beyond any bf16 run
     assert interval(lo, "H100 SXM", 1000.0, 0.7, "fp8")["above_published"] is False
     assert interval(lo, "H100 SXM", 1000.0, 0.9, "fp8")["above_published"] is True
+
+
+def test_blackwell_is_priced_from_its_datasheet():
+    b200, gb200 = gpu_by_name("B200"), gpu_by_name("GB200")
+    assert b200.fp8 and gb200.peak_bf16_flops > b200.peak_bf16_flops > 2 * H100.peak_bf16_flops
+    lo = Layout(tp=8, sp=True, pp=1, dp_shard=1, zero=1, micro_batch=1, recompute="none")
+    shape = TrainShape(8192, 64, "fp8")
+    h100 = predict(LLAMA, make_cluster("H100", 8, 8, stack=stack("nemo")), shape, lo)
+    blackwell = predict(LLAMA, make_cluster("B200", 8, 8, stack=stack("nemo")), shape, lo)
+    assert 1.5 < blackwell.tokens_per_s_per_gpu / h100.tokens_per_s_per_gpu < 2.5

@@ -105,9 +105,9 @@ def _setup(args):
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     if args.precision == "fp8" and cluster.stack.name == "ember":
         raise ConfigError("ember's trainer trains in bf16; --precision fp8 prices other software: "
-                          "add --stack megatron, deepspeed or fsdp.")
+                          "add --stack megatron, nemo, deepspeed or fsdp.")
     if args.precision == "fp8" and not cluster.gpu.fp8:
-        raise ConfigError(f"{cluster.gpu.name} has no FP8 tensor cores (Hopper and Ada have); "
+        raise ConfigError(f"{cluster.gpu.name} has no FP8 tensor cores (Hopper, Ada and Blackwell have); "
                           "use --precision bf16.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:
