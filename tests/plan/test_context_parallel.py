@@ -32,9 +32,9 @@ def test_layout_rules_and_text():
     assert alone.shard_ranks == 8 and not problems(alone, LLAMA, 8, 8, seq_len=65536, ember=False)
 
 
-def test_the_search_prices_cp_only_where_it_is_stated():
+def test_a_stated_cp_is_the_only_one_priced():
     shape, cluster = TrainShape(65536, 8), make_cluster("H100", 8, 8, stack=stack("nemo"))
-    assert all(lo.cp == 1 for lo in candidates(LLAMA, 8, 8, shape, ember_only=False))
+    assert all(lo.cp == 1 for lo in candidates(LLAMA, 8, 8, shape))
     pinned = candidates(LLAMA, 8, 8, shape, fixed={"cp": 4}, ember_only=False)
     assert pinned and all(lo.cp == 4 and lo.gpus == 8 for lo in pinned)
     assert all(predict(LLAMA, cluster, shape, lo).step_time_s > 0 for lo in pinned[:5])
@@ -69,3 +69,15 @@ def test_cp_from_the_command_line(capsys):
     assert main(base) == 0  # ember's own stack prices it, and says its trainer cannot run it
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert any("ember's trainer refuses this layout: context parallelism" in n for n in notes)
+
+
+def test_other_software_searches_cp_for_long_sequences_only():
+    long, short = TrainShape(131072, 16), TrainShape(8192, 16)
+    assert {lo.cp for lo in candidates(LLAMA, 16, 8, long, ember_only=False)} == {1, 2, 4, 8, 16}
+    assert {lo.cp for lo in candidates(LLAMA, 16, 8, long)} == {1}  # ember's trainer: no cp
+    assert {lo.cp for lo in candidates(LLAMA, 16, 8, short, ember_only=False)} == {1}
+    # At 128k tokens on one node of H100s, what fits needs the sequence split.
+    from ember.plan.search import search
+
+    best = search(LLAMA, make_cluster("H100", 16, 8, stack=stack("nemo")), long, ember_only=False).best
+    assert best.layout.cp > 1 and best.fits

@@ -29,6 +29,8 @@ PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules the time mo
 # (recompute, recompute_every) pairs the search tries.
 POLICIES = tuple((policy, 1) for policy in RECOMPUTE) + (("full", 2),)
 PRECISIONS = ("bf16", "fp16", "fp8")
+LONG_SEQUENCE = 16384  # from here the search also tries context parallelism (other stacks)
+MAX_CP = 32
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,26 @@ def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,
     `ember_only` keeps the layouts ember's trainer runs (`ember.layout.problems(ember=True)`)."""
     fixed = fixed or {}
     max_vpp = max(max_vpp, fixed.get("vpp", 0))  # a run's stated interleaving, however deep
-    cp = fixed.get("cp", 1)  # context parallelism is priced where a run states it, not searched
+    out = []
+    for cp in context_splits(n_gpus, shape, fixed, ember_only):
+        out += _for_cp(model, n_gpus, gpus_per_node, shape, max_mbs, max_vpp, fixed, ember_only, cp)
+    return out
+
+
+def context_splits(n_gpus: int, shape: TrainShape, fixed: dict, ember_only: bool) -> list[int]:
+    """The cp sizes the search tries: a stated one; else 1, and for other software's long
+    sequences (at least LONG_SEQUENCE tokens, where context parallelism is what keeps their
+    activations in memory) powers of two up to MAX_CP that cut the sequence evenly."""
+    if "cp" in fixed:
+        return [fixed["cp"]]
+    if ember_only or shape.seq_len < LONG_SEQUENCE:
+        return [1]
+    return [c for c in (1, 2, 4, 8, 16, 32) if c <= min(MAX_CP, n_gpus) and shape.seq_len % (2 * c) == 0
+            and n_gpus % c == 0]
+
+
+def _for_cp(model, n_gpus: int, gpus_per_node: int, shape: TrainShape, max_mbs: int, max_vpp: int,
+            fixed: dict, ember_only: bool, cp: int) -> list[Layout]:
     out = []
     for tp in divisors(n_gpus // cp):
         if tp > gpus_per_node or model.heads % tp or model.kv_heads % tp:
