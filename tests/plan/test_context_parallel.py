@@ -81,3 +81,11 @@ def test_other_software_searches_cp_for_long_sequences_only():
 
     best = search(LLAMA, make_cluster("H100", 16, 8, stack=stack("nemo")), long, ember_only=False).best
     assert best.layout.cp > 1 and best.fits
+
+
+def test_the_table_shows_cp_where_a_layout_has_it(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "16", "--seq-len", "131072",
+            "--global-batch", "16", "--stack", "nemo", "--top", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "┃ cp ┃" in out and "best layout for --stack nemo: " in out and ",cp=" in out

@@ -145,13 +145,14 @@ def run_plan(args) -> int:
         command = _command(p, model, recipe, cluster, shape)
         if args.json:
             print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
-                              "command": command, "notes": report.command_notes(model, recipe, layout, shape)
+                              "command": command,
+                              "notes": (report.command_notes(model, recipe, layout, shape) if command else [])
                               + report.interval_notes([p])}, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
         report.print_text(console, report.memory_line(p) + ("\n" + command if command else ""))
-        for note in report.command_notes(model, recipe, layout, shape) + report.interval_notes([p]):
+        for note in (report.command_notes(model, recipe, layout, shape) if command else []) + report.interval_notes([p]):
             report.print_text(console, "note: " + note)
         return 0
 

@@ -67,8 +67,10 @@ def header(model, cluster: Cluster, shape: TrainShape) -> str:
 
 def table(predictions: list[Prediction]) -> Table:
     out = Table(header_style="bold")
-    for name in ("#", "tp", "sp", "pp", "vpp", "dp", "zero", "mbs", "recompute", "step s", "tok/s/GPU",
-                 "TFLOP/s", "MFU", "MFU range", "GiB", "states+act+other", "comm", "bubble"):
+    with_cp = any(p.layout.cp > 1 for p in predictions)  # a column only where it says something
+    for name in ("#", "tp", "sp") + (("cp",) if with_cp else ()) + (
+            "pp", "vpp", "dp", "zero", "mbs", "recompute", "step s", "tok/s/GPU",
+            "TFLOP/s", "MFU", "MFU range", "GiB", "states+act+other", "comm", "bubble"):
         out.add_column(name, justify="left" if name in ("recompute",) else "right", no_wrap=True)
     for i, p in enumerate(predictions, 1):
         lo, mem = p.layout, p.memory
@@ -79,7 +81,8 @@ def table(predictions: list[Prediction]) -> Table:
         size = f"{mem.total / GIB:.1f}" if p.fits else f"[red]{mem.total / GIB:.1f}[/red]"
         dp = str(lo.dp) if lo.dp_replicate == 1 or lo.zero == 0 else f"{lo.dp_replicate}x{lo.dp_shard}"
         pp = str(lo.pp) + ("" if lo.pp == 1 or lo.schedule == "1f1b" else f" {lo.schedule}")
-        out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", pp, str(lo.vpp) if lo.vpp > 1 else "", dp,
+        out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", *([str(lo.cp)] if with_cp else []), pp,
+                    str(lo.vpp) if lo.vpp > 1 else "", dp,
                     str(lo.zero), str(lo.micro_batch), lo.recompute, f"{p.step_time_s:.3g}",
                     f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", _range(p), size,
                     f"{states:.1f}+{acts:.1f}+{other:.1f}", f"{100 * comm:.1f}%", f"{100 * p.shares['bubble']:.1f}%")
