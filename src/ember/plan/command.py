@@ -152,7 +152,8 @@ def run_plan(args) -> int:
         report.print_text(console, report.header(model, cluster, shape))
         console.print(report.table([p]))
         report.print_text(console, report.memory_line(p) + ("\n" + command if command else ""))
-        for note in (report.command_notes(model, recipe, layout, shape) if command else []) + report.interval_notes([p]):
+        notes = (report.command_notes(model, recipe, layout, shape) if command else []) + report.interval_notes([p])
+        for note in notes:
             report.print_text(console, "note: " + note)
         return 0
 
