@@ -118,3 +118,35 @@ def test_a_worker_that_dies_fails_the_run_instead_of_hanging(tmp_path):
             process.kill()  # as the kernel's out-of-memory killer would
         with pytest.raises(DataError, match="worker process died"):
             list(results)
+        manager = workers.pool._executor_manager_thread
+    # The executor's bookkeeping thread ends too: the interpreter joins it at exit.
+    manager.join(timeout=10)
+    assert not manager.is_alive()
+
+
+def test_a_worker_killed_while_sending_a_result_does_not_hang_the_exit():
+    """CPython gh-94777: a worker killed halfway through writing its result leaves the
+    executor's bookkeeping thread waiting for the rest, and the interpreter joins that
+    thread at exit. Here the half-written result is made by hand."""
+    import os
+    import struct
+
+    import pytest
+
+    from ember.data import DataError, train_tokenizer
+    from ember.data.pipeline import Workers
+
+    tok = train_tokenizer("bpe", ["some words to learn from"], 260)
+    with Workers(1, tok.to_str(), {}, {}) as workers:
+        results = workers.map((i, ["a document"] * 2) for i in range(4))
+        next(results)
+        pool = workers.pool
+        # A header promising 1,000 bytes, and 10 of them: the reader now waits for 990.
+        os.write(pool._result_queue._writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
+        for process in list(pool._processes.values()):
+            process.kill()
+        with pytest.raises(DataError, match="worker process died"):
+            list(results)
+        manager = pool._executor_manager_thread
+    manager.join(timeout=10)
+    assert not manager.is_alive()

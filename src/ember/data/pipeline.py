@@ -83,6 +83,12 @@ class Workers:
         if self.broken:  # waiting could hang on the dead worker: end the others and move on
             for process in list((self.pool._processes or {}).values()):
                 process.kill()
+                process.join()
+            # The executor's bookkeeping thread may be stuck reading a result the killed
+            # worker never finished writing (gh-94777), and the interpreter joins that thread
+            # at exit. With the workers gone, closing our end of the result pipe leaves it no
+            # writer: its read ends, it marks the pool broken, and exit does not hang.
+            self.pool._result_queue._writer.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
         else:
             self.pool.shutdown(wait=True, cancel_futures=True)
