@@ -232,10 +232,13 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
         lines.append(f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""))
         lines += ([f"  unseen   {fmt(res['held_out'])}"] if res["unseen"] else
                   [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"])
-        fp8 = [r for r in res["records"] if r["run"].shape.precision == "fp8"]
-        if fp8:  # FP8 is priced from first principles; its rows are also reported apart
-            lines.append(f"  of which FP8: fitted {fmt(summarise([r for r in fp8 if not r['run'].held_out]))}")
-            lines.append(f"  of which FP8: held out {fmt(summarise([r for r in fp8 if r['run'].held_out]))}")
+        # FP8 and context parallelism are priced from first principles: their rows apart too.
+        for label, keep in (("FP8", lambda r: r["run"].shape.precision == "fp8"),
+                            ("context-parallel", lambda r: r["prediction"].layout.cp > 1)):
+            part = [r for r in res["records"] if keep(r)]
+            if part:
+                lines.append(f"  of which {label}: fitted {fmt(summarise([r for r in part if not r['run'].held_out]))}")
+                lines.append(f"  of which {label}: held out {fmt(summarise([r for r in part if r['run'].held_out]))}")
         lines.append("")
     lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of the public sets:")
     for k, (p10, p90, n) in interval_table(results).items():

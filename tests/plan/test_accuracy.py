@@ -173,13 +173,17 @@ def test_the_fit_moves_a_constant_only_when_the_rows_ask_for_it():
     assert fit.choose([0.1, 0.2], 0.25, lambda v: {0.1: 0.5, 0.2: 0.4, 0.25: 0.3}[v]) == 0.25
 
 
-def test_a_runs_file_names_its_stack_by_whole_words(tmp_path):
+def test_a_runs_file_names_its_stack_by_whole_words(accuracy, tmp_path):
     import planner_sets
 
-    row = "{},Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,1,1,64,,,,tok_s_gpu=5000; cp={},8,14336\n"
+    row = "{},Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,{},1,1,64,,,,tok_s_gpu=5000; cp={},8,14336\n"
     path = tmp_path / "runs.csv"
-    path.write_text(HEADER + row.format("NeMo 25.11 (Megatron-Bridge)", 1) + row.format("Nemotron-4 (Megatron-Core)", 1)
-                    + row.format("Lab Z (Megatron-FSDP)", 1) + row.format("Lab Z (torchtitan)", 2))
+    path.write_text(HEADER + row.format("NeMo 25.11 (Megatron-Bridge)", 8, 1)
+                    + row.format("Nemotron-4 (Megatron-Core)", 8, 1) + row.format("Lab Z (Megatron-FSDP)", 8, 1)
+                    + row.format("Lab Z (torchtitan)", 4, 2))
     runs, _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
     assert [r.cluster.stack.name for r in runs] == ["nemo", "megatron", "nemo", "fsdp"]
     assert runs[3].fixed["cp"] == 2 and "cp" not in runs[0].fixed
+    # Context-parallel rows are also reported apart.
+    text = accuracy.report([accuracy.evaluate_set("runs", path)], 0.0)
+    assert "of which context-parallel: held out     1 rows" in text
