@@ -14,7 +14,8 @@ HOST_OVERLAP_POWER (plan/predict.py) on its grid; the power with the best score 
 (`--power P` fits at one power only, about a fifth of the time). A constant moves only when
 another grid value beats its current one by more than TIE: rows that do not determine a
 constant leave it where it was. Stacks that run the same
-kernels share their figures (FAMILY: `nemo` is Megatron-Core with its overlap options on).
+kernels share their figures (FAMILY: `nemo` is Megatron-Core with its overlap options on,
+`fsdp-eager` FSDP without torch.compile).
 Prints the values; they are copied by hand into plan/stacks.py, plan/overlap.py and
 plan/predict.py, with the output committed under benchmarks/results/.
 """
@@ -42,7 +43,7 @@ PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]  # the 10-30% GEMMs lose beside NCCL (plan/overlap.py)
 TIE = 1e-4  # score differences below this are not a reason to move a constant
-FAMILY = {"nemo": "megatron"}  # stacks fitted together: the same software, other options
+FAMILY = {"nemo": "megatron", "fsdp-eager": "fsdp"}  # fitted together: the same software, other options
 
 
 def family(run) -> str:

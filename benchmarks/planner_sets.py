@@ -72,6 +72,7 @@ MEGATRON_CORE_OVERLAP = stack("nemo")  # its tables: "overlap of DP/TP/PP comm o
 MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
 FSDP_AMP = stack("fsdp")  # Composer's DEFAULT mixed precision reduces in fp32
 FSDP_PURE = stack("fsdp", grad_dtype="bf16")
+FSDP_EAGER = stack("fsdp-eager", grad_dtype="bf16")  # torchtitan without torch.compile
 
 
 @dataclass
@@ -236,7 +237,9 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         elif source == "torchtitan-H100":
             # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
             async_tp = (_note(row, "asyncTP") or "").startswith("yes")
-            cluster = make_cluster(gpu, gpus, 8, stack=replace(FSDP_PURE, overlap_tp_comm=async_tp))
+            eager = (_note(row, "compile") or "").startswith("no")
+            base = FSDP_EAGER if eager else FSDP_PURE
+            cluster = make_cluster(gpu, gpus, 8, stack=replace(base, overlap_tp_comm=async_tp))
             recompute = "selective" if row["recompute"].startswith("sel") else row["recompute"]
             # Interleaved 1F1B: torchtitan's default of two stages per rank.
             vpp = 2 if "interleaved" in (_note(row, "pp_schedule") or "").lower() else 1

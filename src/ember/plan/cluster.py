@@ -120,6 +120,11 @@ class Stack:
     # Transformer Engine's userbuffers; torchtitan's async TP). False: each collective waits
     # for the matmul before it and the matmul after it waits for the collective.
     overlap_tp_comm: bool = False
+    # Whether RMSNorm, the rotary embedding and the gated activation each run as one kernel
+    # (torch.compile, Megatron-Core's and Transformer Engine's fused kernels; LayerNorm and
+    # GELU are single kernels even in eager PyTorch). False: eager PyTorch's composites, which
+    # pass fp32 intermediates through memory (plan/timing.py: eager_elementwise).
+    fused_elementwise: bool = True
 
     def runs_schedule(self, layout) -> bool:
         """Whether this software runs `layout`'s pipeline schedule: DeepSpeed's engine has

@@ -42,8 +42,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style); "
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
-    plan.add_argument("--stack", help="the training software: ember (default), megatron, megatron-2021, deepspeed "
-                                      "or fsdp (what each does: docs/planner.md)")
+    plan.add_argument("--stack", help="the training software: ember (default), megatron, nemo, megatron-2021, "
+                                      "deepspeed, fsdp or fsdp-eager (what each does: docs/planner.md)")
     plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")

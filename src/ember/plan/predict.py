@@ -127,7 +127,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     fp8 = shape.precision == "fp8"
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          stack.recompute_policy(lo.recompute), stack.attention, width, fp8, stack.overlap_tp_comm,
-                         lo.cp)
+                         lo.cp, stack.fused_elementwise)
     local_seq = shape.seq_len // lo.cp  # the tokens of each sequence this rank holds
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
@@ -137,7 +137,8 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     # Host calls per layer: its kernels, and its tensor-parallel collectives (each a
     # torch.distributed call that costs the host about as much as a launch).
     softmax_fused = fused_softmax(model, lo.micro_batch, shape.seq_len, lo.tp)
-    kernels, calls = layer_kernel_count(model, stack.attention, softmax_fused, fp8), tp_collectives(lo)
+    kernels = layer_kernel_count(model, stack.attention, softmax_fused, fp8, stack.fused_elementwise)
+    calls = tp_collectives(lo)
     rerun = kernels + (calls if lo.recompute == "full" else 0)
     fwd_kernels = n * (kernels + calls)
     bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun
@@ -302,5 +303,6 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
                          cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape),
-                         shape.precision == "fp8", cluster.stack.overlap_tp_comm, lo.cp)
+                         shape.precision == "fp8", cluster.stack.overlap_tp_comm, lo.cp,
+                         cluster.stack.fused_elementwise)
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

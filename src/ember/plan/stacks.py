@@ -24,6 +24,10 @@ naming what that software does, not tuning ember's own constants to it:
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
   recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
+- `fsdp-eager`: the same without torch.compile (torchtitan's default): RMSNorm, rotary
+  embedding and SwiGLU run as eager PyTorch's composites of several kernels each, which
+  move fp32 intermediates through memory (plan/timing.py). Same kernels otherwise, so the
+  same fitted figures as `fsdp`.
 
 Three figures per stack are fitted on the fitted rows of the public sets
 (benchmarks/planner_fit.py; held-out rows never enter): `kernel_eff`, the share of the
@@ -72,6 +76,7 @@ STACKS: dict[str, Stack] = {
 }
 
 
+STACKS["fsdp-eager"] = replace(STACKS["fsdp"], name="fsdp-eager", fused_elementwise=False)
 STACKS["nemo"] = replace(STACKS["megatron"], name="nemo", overlap_grad_reduce=True, overlap_param_gather=True,
                          overlap_tp_comm=True)
 

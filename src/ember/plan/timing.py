@@ -52,6 +52,11 @@ cast forward and its output gradient backward: read in bf16, written in FP8 and 
 transposed (Hopper's FP8 GEMMs take only the TN layout), 4 bytes per element, one kernel
 each. The weights' casts are paid once per step (plan/predict.py).
 
+Eager composites. Where the software runs RMSNorm, the rotary embedding and the gated
+activation as eager PyTorch's composites instead of one kernel each (Stack.fused_elementwise
+false: torchtitan without torch.compile), each passes fp32 intermediates through memory
+(`eager_elementwise`): about 9x the fused norm's bytes, 5x the rotary's, 1.7x the gate's.
+
 Kernel launches. Every kernel leaves the GPU idle for about KERNEL_S = 3 µs beyond its work:
 the launch itself (~1 µs when launches are queued ahead, NVIDIA's "Getting Started with CUDA
 Graphs") and the ramp-up and tail of its grid, more when PyTorch's eager dispatch (several
@@ -86,6 +91,19 @@ UNFUSED_SOFTMAX_KERNELS = 5
 FP8_SPEEDUP = 2  # FP8 tensor-core peak over bf16 (hardware.py: GPU.fp8)
 FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed written (1 + 1)
 FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
+# Eager PyTorch's composites: bytes per element (forward, backward) and forward kernels; the
+# fused kernels they stand for move (4, 6), (4, 6) and (6, 9) in one kernel each.
+# RMSNorm (aten's composite before PyTorch's fused kernel of 2025, and Llama's reference
+# module): cast to fp32 (2 + 4), square (4 + 4), mean (4), add eps and rsqrt (per row),
+# scale (4 + 4), cast back (4 + 2), times the weight (2 + 2); autograd runs each op's
+# backward and adds the two paths into the input's gradient.
+EAGER_RMSNORM = (36, 66, 7)
+# Rotary as a complex product (Llama's reference, torchtitan), per q and k element: cast to
+# fp32 (2 + 4), complex multiply (4 + 4), cast back (4 + 2); backward the mirror image.
+EAGER_ROTARY = (20, 20, 3)
+# SwiGLU/GeGLU per element of the MLP width: the activation (2 + 2), the product (2 + 2 + 2);
+# backward the product's two gradients and the activation's.
+EAGER_GATE = (10, 18, 2)
 
 
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
@@ -190,12 +208,13 @@ def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: i
 @lru_cache(maxsize=4096)
 def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                 attention: str, width: int = 1, fp8: bool = False, tp_overlap: bool = False,
-                cp: int = 1) -> LayerTimes:
+                cp: int = 1, fused_elementwise: bool = True) -> LayerTimes:
     """One transformer block's forward, backward and recomputation for one micro-batch;
     `width` 2: 4-byte activations (no autocast); `fp8`: the weight matmuls in FP8;
     `tp_overlap`: sequence parallelism's collectives run beside the weight matmuls
     (Stack.overlap_tp_comm), priced as any overlapped communication (plan/overlap.py);
-    `cp`: the sequence split over cp ranks (`_context_parallel`)."""
+    `cp`: the sequence split over cp ranks (`_context_parallel`); `fused_elementwise`
+    false: eager composites (`eager_elementwise`)."""
     tokens = mbs * seq / cp
     h, f = model.hidden, model.mlp_hidden
     fwd_mm = bwd_mm = cast_fwd = cast_bwd = 0.0
@@ -225,13 +244,19 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     if model.positions == "rotary":
         per_token += 4 * (h + kv_hidden(model)) / tp
     elem_fwd = memory_s(tokens * per_token * width, gpu)
+    elem_bwd = BACKWARD_BYTES * elem_fwd
+    if not fused_elementwise:
+        eager_fwd, eager_bwd, _ = eager_elementwise(model, tp, split)
+        elem_fwd += memory_s(tokens * eager_fwd * width, gpu)
+        elem_bwd += memory_s(tokens * eager_bwd * width, gpu)
 
-    tp_fwd = tp_bwd = 0.0
+    tp_fwd = tp_bwd = gathers = 0.0
     if tp > 1:  # two all-reduces, or with sequence parallelism two all-gathers + two reduce-scatters
         group = comm.place(tp, 1, links.gpus_per_node)
         activation = tokens * h * 2 * width
         if sp:
-            tp_fwd = 2 * (comm.all_gather_s(activation, group, links) + comm.reduce_scatter_s(activation, group, links))
+            gathers = 2 * comm.all_gather_s(activation, group, links)
+            tp_fwd = gathers + 2 * comm.reduce_scatter_s(activation, group, links)
         else:
             tp_fwd = 2 * comm.all_reduce_s(activation, group, links)
         tp_bwd = tp_fwd
@@ -240,20 +265,25 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
             # the reduce-scatter of its output (forward; backward the mirror image), fed in
             # tp chunks: the first chunk's transfer (or the last's) stays exposed.
             each = tp_fwd / len(per_matmul)
-            tp_fwd = sum(overlap.hidden_cost(each, fwd, each / tp) for fwd, _ in per_matmul)
+            hidden = [overlap.hidden_cost(each, fwd, each / tp) for fwd, _ in per_matmul]
+            tp_fwd = sum(hidden)
             tp_bwd = sum(overlap.hidden_cost(each, bwd, each / tp) for _, bwd in per_matmul)
+            gathers = sum(cost for cost, name in zip(hidden, layer_matmuls(model)) if name in ("qkv", "up"))
 
     softmax_fused = fused_softmax(model, mbs, seq, tp)
     core_kernels = core_kernel_count(model, attention, softmax_fused)
-    kernels = layer_kernel_count(model, attention, softmax_fused, fp8)
+    kernels = layer_kernel_count(model, attention, softmax_fused, fp8, fused_elementwise)
     forward = Work(matmul=fwd_mm, elementwise=elem_fwd + cast_fwd, tp_comm=tp_fwd + cp_fwd,
                    launch=kernels * KERNEL_S) + core_fwd
-    backward = Work(matmul=bwd_mm, elementwise=BACKWARD_BYTES * elem_fwd + cast_bwd, tp_comm=tp_bwd + cp_bwd,
+    backward = Work(matmul=bwd_mm, elementwise=elem_bwd + cast_bwd, tp_comm=tp_bwd + cp_bwd,
                     launch=BACKWARD_KERNELS * kernels * KERNEL_S) + core_bwd
     if recompute == "full":
         again = forward
-    elif recompute == "selective-half-matmul":  # every other matmul, and the elementwise forward
-        again = Work(matmul=fwd_mm / 2, elementwise=elem_fwd, launch=(kernels - core_kernels) * KERNEL_S)
+    elif recompute == "selective-half-matmul":
+        # Every other matmul and the elementwise forward; its save list keeps reduce-scatter
+        # outputs but not all-gathers, so sequence parallelism's two gathers run again.
+        again = Work(matmul=fwd_mm / 2, elementwise=elem_fwd, tp_comm=gathers,
+                     launch=(kernels - core_kernels) * KERNEL_S)
     elif recompute == "selective-attention":
         again = core_fwd + Work(launch=core_kernels * KERNEL_S)
     elif recompute == "selective":  # norms, activations, rotary: the elementwise forward
@@ -280,6 +310,29 @@ def _context_parallel(model, links, mbs: int, seq: int, tp: int, cp: int, width:
             overlap.hidden_cost(2 * ring, bwd.compute))
 
 
+def eager_elementwise(model, tp: int, split: int) -> tuple[float, float, int]:
+    """What eager composites add to one block over fused kernels, per token: forward bytes,
+    backward bytes, forward kernels. Only RMSNorm, rotary and gated activations have
+    composites; LayerNorm and GELU are one kernel in eager PyTorch too. `split`: the norms'
+    tokens are divided over tp ranks under sequence parallelism."""
+    fwd = bwd = 0.0
+    kernels = 0
+    if model.norm == "rmsnorm":
+        fwd += 2 * (EAGER_RMSNORM[0] - 4) * model.hidden / split
+        bwd += 2 * (EAGER_RMSNORM[1] - 6) * model.hidden / split
+        kernels += 2 * (EAGER_RMSNORM[2] - 1)
+    if model.positions == "rotary":
+        width = (model.hidden + kv_hidden(model)) / tp
+        fwd += (EAGER_ROTARY[0] - 4) * width
+        bwd += (EAGER_ROTARY[1] - 6) * width
+        kernels += 2 * (EAGER_ROTARY[2] - 1)
+    if gated(model):
+        fwd += (EAGER_GATE[0] - 6) * model.mlp_hidden / tp
+        bwd += (EAGER_GATE[1] - 9) * model.mlp_hidden / tp
+        kernels += EAGER_GATE[2] - 1
+    return fwd, bwd, kernels
+
+
 def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
     """Kernels of the attention core's forward: one fused kernel, or Q·Kᵀ, the softmax (one
     fused kernel or the five of the fallback), the dropout of the probabilities and P·V."""
@@ -288,15 +341,17 @@ def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
     return 2 + (1 if softmax_fused else UNFUSED_SOFTMAX_KERNELS) + (1 if model.dropout else 0)
 
 
-def layer_kernel_count(model, attention: str, softmax_fused: bool = True, fp8: bool = False) -> int:
+def layer_kernel_count(model, attention: str, softmax_fused: bool = True, fp8: bool = False,
+                       fused_elementwise: bool = True) -> int:
     """Compute kernels of one block's forward as fused training stacks launch them: two norms,
     four weight matmuls (gate and up are one), the activation, two fused bias-dropout-residual
     adds, the rotary embedding of Q and K, and the attention core; in FP8, a cast before each
-    weight matmul. Its backward launches about twice as many (input and weight gradient of
-    every matmul, two passes per norm)."""
+    weight matmul; eager composites add theirs (`eager_elementwise`). Its backward launches
+    about twice as many (input and weight gradient of every matmul, two passes per norm)."""
     rotary = 2 if model.positions == "rotary" else 0
     casts = FP8_CAST_KERNELS if fp8 else 0
-    return 2 + 4 + 1 + 2 + rotary + casts + core_kernel_count(model, attention, softmax_fused)
+    eager = 0 if fused_elementwise else eager_elementwise(model, 1, 1)[2]
+    return 2 + 4 + 1 + 2 + rotary + casts + eager + core_kernel_count(model, attention, softmax_fused)
 
 
 @lru_cache(maxsize=4096)
