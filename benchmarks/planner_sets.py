@@ -73,6 +73,10 @@ MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
 FSDP_AMP = stack("fsdp")  # Composer's DEFAULT mixed precision reduces in fp32
 FSDP_PURE = stack("fsdp", grad_dtype="bf16")
 FSDP_EAGER = stack("fsdp-eager", grad_dtype="bf16")  # torchtitan without torch.compile
+# A row whose model or notes say it routes tokens to experts: the planner prices dense
+# blocks only, and a mixture of experts priced as dense would be wrong by its sparsity.
+MIXTURE_OF_EXPERTS = re.compile(r"\b(moe|mixtral|dbrx|grok|arctic|olmoe|jamba|deepseek[- ]?v[23])\b"
+                                r"|\b(num_)?experts?=|\bep=|-a\d+(\.\d+)?b\b")
 
 
 @dataclass
@@ -200,6 +204,9 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         if "fp4" in notes:
             skip("FP4 (not priced)")
             continue
+        if MIXTURE_OF_EXPERTS.search(f"{row['model']} {notes}".lower()):
+            skip("mixture of experts (not priced)")
+            continue
         if precision == "fp8" and "rowwise" in notes:
             skip("FP8 with row-wise scales (not priced)")
             continue
@@ -221,6 +228,9 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
                 flops += recompute_flops_per_token(model, seq, "full")  # the figure counts the rerun too
             tokens = float(row["tflops_per_gpu"]) * 1e12 / flops
+        if not tokens and row.get("mfu"):
+            mfu = _number(row["mfu"])
+            tokens = (mfu / 100 if mfu > 1 else mfu) * table_gpu.peak_bf16_flops / model_flops_per_token(model, seq)
         if not tokens:
             skip("no throughput")
             continue

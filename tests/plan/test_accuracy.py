@@ -105,10 +105,13 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,A100 SXM4,16,2,1,8,,,64,,300,,precision=fp8,8,14336\n"
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,2,1,8,,,64,,500,,fp8 rowwise,8,14336\n"
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,DGX-B200,16,2,1,8,,,64,,900,,precision=nvfp4,8,14336\n"
-                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,B300 SXM6,16,2,1,8,,,64,,900,,,8,14336\n")
+                    + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,B300 SXM6,16,2,1,8,,,64,,900,,,8,14336\n"
+                    + "Lab Y,Mixtral 8x7B,47,32,4096,32,4096,32000,H100 SXM,64,2,1,32,,,256,,400,,,8,14336\n"
+                    + "Lab Y,Qwen3-30B-A3B,30,48,2048,32,4096,151936,H100 SXM,64,1,1,64,,,256,,300,,,4,768\n"
+                    + "Lab Y,Model X,30,48,2048,32,4096,151936,H100 SXM,64,1,1,64,,,256,,300,,experts=128; ep=8,4,768\n")
     runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
     assert skipped == {"FP8 on a GPU without FP8 tensor cores": 1, "FP8 with row-wise scales (not priced)": 1,
-                       "FP4 (not priced)": 1, "GPU not in ember's table": 1}
+                       "FP4 (not priced)": 1, "GPU not in ember's table": 1, "mixture of experts (not priced)": 3}
     assert len(runs) == 3 and all(r.held_out for r in runs)
     ds, llama, fp8 = runs
     assert [r.shape.precision for r in runs] == ["bf16", "bf16", "fp8"] and fp8.group != llama.group
@@ -136,6 +139,18 @@ def test_hardware_tflops_of_a_runs_file_count_the_recomputed_forward(tmp_path):
     assert model_only.measured == pytest.approx(150e12 / model_flops_per_token(spec, 2048))
     assert hardware.measured == pytest.approx(
         150e12 / (model_flops_per_token(spec, 2048) + recompute_flops_per_token(spec, 2048, "full")))
+
+
+def test_a_runs_file_row_with_only_mfu_is_read_against_the_bf16_peak(tmp_path):
+    import planner_sets
+    from ember.cost import model_flops_per_token
+
+    path = tmp_path / "runs.csv"
+    row = "Lab Q,GPT 6.7B,6.7,32,4096,32,2048,50257,A100-80GB,64,2,4,8,1,2,512,full,,{},,32,16384\n"
+    path.write_text(HEADER + row.format("0.45") + row.format("45"))
+    (fraction, percent), _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    expected = 0.45 * 312e12 / model_flops_per_token(fraction.model, 2048)
+    assert fraction.measured == pytest.approx(expected) and percent.measured == pytest.approx(expected)
 
 
 def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, tmp_path, capsys):
