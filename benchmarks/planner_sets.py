@@ -65,7 +65,10 @@ SETS = ("published_runs", "published_runs_more", "vtrain")
 # What each source ran (named stacks, plan/stacks.py; see docs/planner.md "Stacks").
 MEGATRON_2021 = stack("megatron-2021")
 MEGATRON_CORE = stack("megatron")
-MEGATRON_CORE_OVERLAP = stack("nemo")  # its tables: "overlap of DP/TP/PP comm on"
+NEMO = stack("nemo")  # NeMo's performance recipes: overlap on, gradients reduced in bf16
+# Megatron-LM's own weak-scaling table: "overlap of DP/TP/PP comm on", with Megatron-LM's
+# default fp32 gradient accumulation for bf16 training.
+MEGATRON_CORE_OVERLAP = stack("nemo", grad_dtype="fp32")
 # vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
 # where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
 # runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
@@ -259,8 +262,9 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
             run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
                       memory_gib=_number(mem) if mem else None, label=label)
         elif source == "megatron-core":
-            # Micro-batch, recomputation and schedule are not stated: searched, as N21.
-            cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
+            # Micro-batch, recomputation and schedule are not stated: searched, as N21. Its FP8
+            # rows follow NeMo's performance recipes.
+            cluster = make_cluster(gpu, gpus, 8, stack=NEMO if precision == "fp8" else MEGATRON_CORE_OVERLAP)
             fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1, "cp": cp}
             vp = _note(row, "vp") or ""
             if vp.isdigit() and int(vp) > 1:
@@ -270,7 +274,7 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
         elif source.lower() == "nemo":
             # NeMo's performance recipes: Megatron-Core with the distributed optimizer, its
             # gradient reduction and parameter gathers overlapped; recomputation not stated.
-            cluster = make_cluster(gpu, gpus, 8, stack=MEGATRON_CORE_OVERLAP)
+            cluster = make_cluster(gpu, gpus, 8, stack=NEMO)
             zero = 3 if "megatron-fsdp" in notes else 1
             fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1, "cp": cp}
             if row.get("micro_bs"):

@@ -68,6 +68,17 @@ def test_overlapped_tensor_parallel_communication_hides_behind_the_matmuls():
             == layer_times(*args, False, "none", "flash", 1, False, False).forward.tp_comm)
 
 
+def test_nemo_keeps_and_reduces_gradients_in_bf16_where_megatron_lm_accumulates_fp32():
+    """NeMo's performance recipes set grad_reduce_in_fp32 false; Megatron-LM accumulates a
+    bf16 run's gradients in fp32 unless told otherwise: half the gradient buffer, half the
+    bytes reduced."""
+    assert stack("nemo").grad_bytes == 2 and stack("megatron").grad_bytes == 4
+    shape, lo = TrainShape(8192, 8), Layout(tp=1, dp_shard=8, zero=1, micro_batch=1, recompute="full")
+    nemo, megatron = (predict(LLAMA, make_cluster("H100", 8, 8, stack=stack(name)), shape, lo)
+                      for name in ("nemo", "megatron"))
+    assert nemo.memory.grads == pytest.approx(megatron.memory.grads / 2)
+
+
 def test_fp8_from_the_command_line(capsys):
     base = ["plan", "--model", "llama3-70b", "--gpu", "H100", "--gpus", "64", "--seq-len", "8192",
             "--global-batch", "128", "--stack", "nemo", "--layout",
