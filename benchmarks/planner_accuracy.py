@@ -138,7 +138,7 @@ def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int]]:
     for res in results:
         for r in res["records"] if not res["unseen"] else ():
             if r["error"] is not None:
-                by_kind.setdefault(kind(r["prediction"].layout), []).append(r["error"])
+                by_kind.setdefault(kind(r["prediction"].layout, r["run"].shape.precision), []).append(r["error"])
     return {k: (percentile(v, 0.1), percentile(v, 0.9), len(v)) for k, v in sorted(by_kind.items())}
 
 
