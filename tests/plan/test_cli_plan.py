@@ -129,3 +129,16 @@ def test_another_stack_gets_its_layout_not_an_ember_command(capsys):
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["best"]["command"] is None and result["shape"]["precision"] == "fp8"
+
+
+def test_fsdp_without_compile_is_a_stack_of_its_own(capsys):
+    layout = "tp=1,pp=1,dp=8,zero=3,mbs=2,recompute=selective"
+    args = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--seq-len", "8192",
+            "--global-batch", "16", "--layout", layout, "--json"]
+    speeds = {}
+    for name in ("fsdp", "fsdp-eager"):
+        assert main(args + ["--stack", name]) == 0
+        speeds[name] = json.loads(capsys.readouterr().out)["tokens_per_s_per_gpu"]
+    assert speeds["fsdp-eager"] < 0.93 * speeds["fsdp"]
+    assert main(args + ["--stack", "torchtitan"]) == 2
+    assert "fsdp-eager" in capsys.readouterr().err
