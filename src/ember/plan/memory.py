@@ -104,8 +104,11 @@ def activation_bytes_per_token(model, seq_len: int, layout: Layout, attention: s
     split_norms = t if layout.sp else 1
     if layout.recompute == "full":
         return 2 * h / split_norms
-    if stack.recompute_policy(layout.recompute) == "selective" and attention == "flash":
+    policy = stack.recompute_policy(layout.recompute)
+    if policy == "selective" and attention == "flash":
         return _kept_matmul_outputs(model, layout)
+    if policy == "selective-half-matmul":
+        return _kept_every_other_matmul(model, layout)
     norms, inputs = 4 * h + 2 * mask * h, 2 * h + 2 * h  # norm inputs and masks; q/k/v and MLP inputs
     # DTensor's sequence parallelism all-gathers the q/k/v and MLP inputs and autograd keeps
     # the whole gathered tensor for the weight gradient; Megatron-LM keeps its slice and
@@ -137,6 +140,27 @@ def _kept_matmul_outputs(model, layout: Layout) -> float:
     return 2 * h / t + sharded / t + 2 * (2 * h + 2 * h / t) + 2 * (2 * h)
 
 
+def _kept_every_other_matmul(model, layout: Layout) -> float:
+    """What torchtitan's op-level policy keeps per token (activation_checkpoint.py: its
+    save list holds mm, the attention kernel, reduce-scatter and max; of the mm outputs only
+    every other one, counted within each block): the block's input, the 1st, 3rd, ...
+    matmul outputs in the order the block runs them (q, k, v, o, then gate, up, down), the
+    attention output and its log-sum-exp, and sequence parallelism's two reduce-scattered
+    outputs. A row-parallel matmul's output is a full-width partial sum before its
+    reduce-scatter. The rest (norms, rotary, activations, the other matmuls, all-gathers)
+    reruns."""
+    h, kv, f, t = model.hidden, kv_hidden(model), model.mlp_hidden, layout.tp
+    column, row = True, False
+    mlp = [(f, column), (f, column), (h, row)] if gated(model) else [(f, column), (h, row)]
+    matmuls = [(h, column), (kv, column), (kv, column), (h, row)] + mlp
+    kept = sum(2 * width / (t if split else 1) for width, split in matmuls[::2])
+    sequence_split = t if layout.sp else 1
+    kept += 2 * h / sequence_split + 2 * h / t + 4 * model.heads / t  # input; attention output, LSE
+    if layout.sp and t > 1:
+        kept += 2 * (2 * h / t)
+    return kept
+
+
 def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str, stack: Stack = MEGATRON) -> float:
     """Bytes per token a layer keeps on average when only some layers are recomputed
     (`recompute_every`): the covered share keeps the policy's, the rest everything."""
@@ -152,7 +176,11 @@ def fp8_saved_per_token(model, layout: Layout, stack: Stack = MEGATRON) -> float
     """Bytes per token and layer an FP8 run keeps less: Transformer Engine saves each weight
     matmul's input for the weight gradient as its 1-byte FP8 cast, not in bf16 (the q/k/v
     and MLP inputs, the attention projection's and the down projection's). Layers that
-    fully recompute keep only their input, which is not cast."""
+    fully recompute keep only their input, which is not cast. Under torchtitan's op-level
+    selective policy nothing changes: it keeps matmul outputs, and the casts rerun (its
+    FP8 and bf16 runs of Llama 3.1 8B peaked at the same memory, 76.8 and 77.0 GiB)."""
+    if stack.recompute_policy(layout.recompute) == "selective-half-matmul":
+        return 0.0
     h, f, t = model.hidden, model.mlp_hidden, layout.tp
     kept = 1.0 - (layout.recomputed_fraction(model.layers) if layout.recompute == "full" else 0.0)
     gathered_split = 1 if layout.sp and stack.sp_keeps_gathered else (t if layout.sp else 1)
