@@ -210,6 +210,23 @@ def layer_sweep(records: list[dict]) -> list[str]:
     return out
 
 
+def memory_line(records: list[dict]) -> str | None:
+    """Predicted against measured peak memory per GPU, where a source published it (a peak
+    the allocator reserved, a little above what is live), and whether the layouts that ran
+    out of memory are predicted not to fit."""
+    errors = [(r["prediction"].memory.total / 2**30 - r["run"].memory_gib) / r["run"].memory_gib
+              for r in records if r["run"].memory_gib]
+    ooms = [r for r in records if r["run"].oom]
+    if not errors and not ooms:
+        return None
+    text = (f"  memory: {len(errors)} rows with a measured peak, median |err| "
+            f"{100 * statistics.median(abs(e) for e in errors):.1f}%, max {100 * max(abs(e) for e in errors):.1f}%, "
+            f"bias {100 * statistics.median(errors):+.1f}%" if errors else "  memory: no measured peak")
+    if ooms:
+        text += f"; ran out of memory: {sum(not r['prediction'].fits for r in ooms)}/{len(ooms)} predicted not to fit"
+    return text
+
+
 def fmt(s: dict) -> str:
     if not s.get("rows"):
         return "no rows"
@@ -232,6 +249,8 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
         lines.append(f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""))
         lines += ([f"  unseen   {fmt(res['held_out'])}"] if res["unseen"] else
                   [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"])
+        if (memory := memory_line(res["records"])) is not None:
+            lines.append(memory)
         # FP8 and context parallelism are priced from first principles: their rows apart too.
         for label, keep in (("FP8", lambda r: r["run"].shape.precision == "fp8"),
                             ("context-parallel", lambda r: r["prediction"].layout.cp > 1)):

@@ -215,3 +215,17 @@ def test_nemo_rows_reduce_gradients_in_bf16_and_megatron_lms_own_in_fp32(tmp_pat
     runs, _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
     assert [r.cluster.stack.grad_dtype for r in runs] == ["bf16", "fp32", "bf16"]
     assert all(r.cluster.stack.overlap_tp_comm for r in runs)
+
+
+def test_memory_is_reported_against_the_published_peaks(accuracy):
+    from types import SimpleNamespace as NS
+
+    def record(measured_gib, predicted_gib, oom=False, fits=True):
+        memory = NS(total=predicted_gib * 2**30)
+        return {"run": NS(memory_gib=measured_gib, oom=oom), "prediction": NS(memory=memory, fits=fits)}
+
+    line = accuracy.memory_line([record(80.0, 72.0), record(50.0, 55.0), record(None, 0.0),
+                                 record(None, 120.0, oom=True, fits=False)])
+    assert "2 rows with a measured peak, median |err| 10.0%, max 10.0%, bias +0.0%" in line
+    assert "ran out of memory: 1/1 predicted not to fit" in line
+    assert accuracy.memory_line([record(None, 1.0)]) is None
