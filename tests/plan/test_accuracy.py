@@ -109,7 +109,8 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
                     + "Lab Y,Llama 8B,8,32,4096,32,8192,128256,B300 SXM6,16,2,1,8,,,64,,900,,,8,14336\n"
                     + "Lab Y,Mixtral 8x7B,47,32,4096,32,4096,32000,H100 SXM,64,2,1,32,,,256,,400,,,8,14336\n"
                     + "Lab Y,Qwen3-30B-A3B,30,48,2048,32,4096,151936,H100 SXM,64,1,1,64,,,256,,300,,,4,768\n"
-                    + "Lab Y,Model X,30,48,2048,32,4096,151936,H100 SXM,64,1,1,64,,,256,,300,,experts=128; ep=8,4,768\n")
+                    + "Lab Y,Model X,30,48,2048,32,4096,151936,H100 SXM,64,1,1,64,,,256,,300,,"
+                    + "experts=128; ep=8,4,768\n")
     runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
     assert skipped == {"FP8 on a GPU without FP8 tensor cores": 1, "FP8 with row-wise scales (not priced)": 1,
                        "FP4 (not priced)": 1, "GPU not in ember's table": 1, "mixture of experts (not priced)": 3}

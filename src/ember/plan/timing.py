@@ -55,7 +55,7 @@ each. The weights' casts are paid once per step (plan/predict.py).
 Eager composites. Where the software runs RMSNorm, the rotary embedding and the gated
 activation as eager PyTorch's composites instead of one kernel each (Stack.fused_elementwise
 false: torchtitan without torch.compile), each passes fp32 intermediates through memory
-(`eager_elementwise`): about 9x the fused norm's bytes, 5x the rotary's, 1.7x the gate's.
+(plan/eager.py): about 9x the fused norm's bytes, 5x the rotary's, 1.7x the gate's.
 
 Kernel launches. Every kernel leaves the GPU idle for about KERNEL_S = 3 µs beyond its work:
 the launch itself (~1 µs when launches are queued ahead, NVIDIA's "Getting Started with CUDA
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ember.plan import comm, overlap
+from ember.plan.eager import eager_elementwise
 from ember.cost import gated, kv_hidden, layer_matmuls
 
 TILE_M, TILE_N = 256, 128
@@ -91,19 +92,6 @@ UNFUSED_SOFTMAX_KERNELS = 5
 FP8_SPEEDUP = 2  # FP8 tensor-core peak over bf16 (hardware.py: GPU.fp8)
 FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed written (1 + 1)
 FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
-# Eager PyTorch's composites: bytes per element (forward, backward) and forward kernels; the
-# fused kernels they stand for move (4, 6), (4, 6) and (6, 9) in one kernel each.
-# RMSNorm (aten's composite before PyTorch's fused kernel of 2025, and Llama's reference
-# module): cast to fp32 (2 + 4), square (4 + 4), mean (4), add eps and rsqrt (per row),
-# scale (4 + 4), cast back (4 + 2), times the weight (2 + 2); autograd runs each op's
-# backward and adds the two paths into the input's gradient.
-EAGER_RMSNORM = (36, 66, 7)
-# Rotary as a complex product (Llama's reference, torchtitan), per q and k element: cast to
-# fp32 (2 + 4), complex multiply (4 + 4), cast back (4 + 2); backward the mirror image.
-EAGER_ROTARY = (20, 20, 3)
-# SwiGLU/GeGLU per element of the MLP width: the activation (2 + 2), the product (2 + 2 + 2);
-# backward the product's two gradients and the activation's.
-EAGER_GATE = (10, 18, 2)
 
 
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
@@ -308,29 +296,6 @@ def _context_parallel(model, links, mbs: int, seq: int, tp: int, cp: int, width:
     fwd, bwd = core_fwd * (1 / cp), core_bwd * (1 / cp)
     return (fwd, bwd, overlap.hidden_cost(ring, fwd.compute),
             overlap.hidden_cost(2 * ring, bwd.compute))
-
-
-def eager_elementwise(model, tp: int, split: int) -> tuple[float, float, int]:
-    """What eager composites add to one block over fused kernels, per token: forward bytes,
-    backward bytes, forward kernels. Only RMSNorm, rotary and gated activations have
-    composites; LayerNorm and GELU are one kernel in eager PyTorch too. `split`: the norms'
-    tokens are divided over tp ranks under sequence parallelism."""
-    fwd = bwd = 0.0
-    kernels = 0
-    if model.norm == "rmsnorm":
-        fwd += 2 * (EAGER_RMSNORM[0] - 4) * model.hidden / split
-        bwd += 2 * (EAGER_RMSNORM[1] - 6) * model.hidden / split
-        kernels += 2 * (EAGER_RMSNORM[2] - 1)
-    if model.positions == "rotary":
-        width = (model.hidden + kv_hidden(model)) / tp
-        fwd += (EAGER_ROTARY[0] - 4) * width
-        bwd += (EAGER_ROTARY[1] - 6) * width
-        kernels += 2 * (EAGER_ROTARY[2] - 1)
-    if gated(model):
-        fwd += (EAGER_GATE[0] - 6) * model.mlp_hidden / tp
-        bwd += (EAGER_GATE[1] - 9) * model.mlp_hidden / tp
-        kernels += EAGER_GATE[2] - 1
-    return fwd, bwd, kernels
 
 
 def core_kernel_count(model, attention: str, softmax_fused: bool = True) -> int:
