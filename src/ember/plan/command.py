@@ -75,6 +75,7 @@ def _setup(args):
     from ember.plan.cluster import make_cluster, write_profile
     from ember.plan.layout import PRECISIONS, TrainShape
     from ember.plan.models import resolve_model
+    from ember.plan.predict import check_precision
 
     if args.gpus is None:
         if args.save_profile and args.model is None:
@@ -106,9 +107,7 @@ def _setup(args):
     if args.precision == "fp8" and cluster.stack.name == "ember":
         raise ConfigError("ember's trainer trains in bf16; --precision fp8 prices other software: "
                           "add --stack megatron, nemo, deepspeed or fsdp.")
-    if args.precision == "fp8" and not cluster.gpu.fp8:
-        raise ConfigError(f"{cluster.gpu.name} has no FP8 tensor cores (Hopper, Ada and Blackwell have); "
-                          "use --precision bf16.")
+    check_precision(cluster.gpu, args.precision)  # before any search
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top must be at least 1, not {args.top}.")

@@ -71,7 +71,7 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     for key, choices in (("schedule", PRICED_SCHEDULES), ("recompute", RECOMPUTE)):
         if values.get(key, choices[0]) not in choices:
             raise ConfigError(f"--layout {key} must be one of {', '.join(choices)}, not {values[key]!r}.")
-    tp, pp, vpp, zero, cp = (ints.get(k, 1) for k in ("tp", "pp", "vpp", "zero", "cp"))
+    tp, pp, vpp, cp = (ints.get(k, 1) for k in ("tp", "pp", "vpp", "cp"))
     zero = ints.get("zero", 0)
     if zero > 3:
         raise ConfigError(f"--layout zero must be 0, 1, 2 or 3, not {zero}.")

@@ -221,11 +221,16 @@ def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links, slices
     return send + gather
 
 
-def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
-    links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
-    if shape.precision == "fp8" and not gpu.fp8:
+def check_precision(gpu, precision: str) -> None:
+    """Refuse FP8 on a GPU whose tensor cores cannot multiply in it."""
+    if precision == "fp8" and not gpu.fp8:
         raise ConfigError(f"{gpu.name} has no FP8 tensor cores (Hopper, Ada and Blackwell have); "
                           "use --precision bf16.")
+
+
+def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
+    links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
+    check_precision(gpu, shape.precision)
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node, lo.cp)
     m = lo.micro_batches(shape.global_batch)
     grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)

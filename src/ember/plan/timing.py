@@ -206,16 +206,16 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
     tokens = mbs * seq / cp
     h, f = model.hidden, model.mlp_hidden
     fwd_mm = bwd_mm = cast_fwd = cast_bwd = 0.0
-    per_matmul = []  # (forward, backward) of each weight matmul
+    per_matmul = []  # (name, forward, backward) of each weight matmul
     for name, (k, n) in layer_matmuls(model).items():
         if name in ("qkv", "up"):
             n = n / tp  # column parallel: the output is split
         else:
             k = k / tp  # row parallel: the input is split
-        per_matmul.append((matmul_s(tokens, n, k, gpu, fp8=fp8),
+        per_matmul.append((name, matmul_s(tokens, n, k, gpu, fp8=fp8),
                            matmul_s(tokens, k, n, gpu, fp8=fp8) + matmul_s(k, n, tokens, gpu, fp8=fp8)))
-        fwd_mm += per_matmul[-1][0]
-        bwd_mm += per_matmul[-1][1]  # input grad, weight grad
+        fwd_mm += per_matmul[-1][1]
+        bwd_mm += per_matmul[-1][2]  # input grad, weight grad
         if fp8:
             cast_fwd += memory_s(tokens * k * FP8_CAST_BYTES, gpu)
             cast_bwd += memory_s(tokens * n * FP8_CAST_BYTES, gpu)
@@ -253,10 +253,10 @@ def layer_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, recomp
             # the reduce-scatter of its output (forward; backward the mirror image), fed in
             # tp chunks: the first chunk's transfer (or the last's) stays exposed.
             each = tp_fwd / len(per_matmul)
-            hidden = [overlap.hidden_cost(each, fwd, each / tp) for fwd, _ in per_matmul]
-            tp_fwd = sum(hidden)
-            tp_bwd = sum(overlap.hidden_cost(each, bwd, each / tp) for _, bwd in per_matmul)
-            gathers = sum(cost for cost, name in zip(hidden, layer_matmuls(model)) if name in ("qkv", "up"))
+            hidden = {name: overlap.hidden_cost(each, fwd, each / tp) for name, fwd, _ in per_matmul}
+            tp_fwd = sum(hidden.values())
+            tp_bwd = sum(overlap.hidden_cost(each, bwd, each / tp) for _, _, bwd in per_matmul)
+            gathers = hidden["qkv"] + hidden["up"]  # the column-parallel matmuls take the gathered inputs
 
     softmax_fused = fused_softmax(model, mbs, seq, tp)
     core_kernels = core_kernel_count(model, attention, softmax_fused)

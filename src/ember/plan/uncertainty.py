@@ -59,9 +59,10 @@ def best_published_mfu(gpu_name: str, precision: str = "bf16") -> float | None:
 
 def interval(layout: Layout, gpu_name: str, tokens: float, mfu: float, precision: str = "bf16") -> dict:
     """The range measured throughput is expected in (tokens/s per GPU and MFU), and why."""
-    low_err, high_err = ERROR_PERCENTILES[kind(layout, precision)]
+    of = kind(layout, precision)
+    low_err, high_err = ERROR_PERCENTILES[of]
     scale = (1 / (1 + high_err), 1 / (1 + low_err))
-    out = {"kind": kind(layout, precision), "tokens_per_s_per_gpu": [tokens * s for s in scale],
+    out = {"kind": of, "tokens_per_s_per_gpu": [tokens * s for s in scale],
            "mfu": [mfu * s for s in scale], "above_published": False}
     best = best_published_mfu(gpu_name, precision)
     if best is not None and mfu > best:
