@@ -78,9 +78,14 @@ def evaluate_set(name: str, csv_path: Path | None = None) -> dict:
 
 
 def evaluate_runs(name: str, runs: list, skipped: dict, unseen: bool = False) -> dict:
-    records = []
+    records, skipped = [], dict(skipped)
     for run in runs:
-        p = planner_sets.predict(run)
+        try:
+            p = planner_sets.predict(run)
+        except ConfigError as e:  # a layout ember cannot run (heads that tp does not divide, ...)
+            reason = f"{run.label} ({run.source}): {e}"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
         error = (p.tokens_per_s_per_gpu - run.measured) / run.measured if run.measured else None
         lo, hi = p.interval["tokens_per_s_per_gpu"]
         inside = lo <= run.measured <= hi if error is not None else None

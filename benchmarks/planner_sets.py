@@ -24,7 +24,9 @@ Any other file with the columns of published_runs_more.csv can be checked the sa
 (`planner_accuracy.py --csv FILE`): its rows are all unseen, none was used to fit. Rows of
 a source this module does not know are read by what the row says (`_any_source`): the
 stack from the source's name or a `stack=` note, the layout from the columns, and the
-fields left empty (micro-batch, recomputation, schedule) searched.
+fields left empty (micro-batch, recomputation, schedule) searched; an empty dp is what
+tp x pp x cp leave of the GPU count. A row that cannot be read or priced is skipped and
+reported with its line and reason; only a missing column (REQUIRED_COLUMNS) refuses a file.
 
 The data live in shared/planner beside the repository (or $EMBER_PLANNER_DATA); they are
 not copied into the repository, and the checks that need them skip without them.
@@ -39,6 +41,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ember.errors import ConfigError
 from ember.cost import model_flops_per_token, recompute_flops_per_token
 from ember.hardware import find_gpu, gpu_by_name
 from ember.layout import Layout
@@ -76,6 +79,9 @@ MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
 FSDP_AMP = stack("fsdp")  # Composer's DEFAULT mixed precision reduces in fp32
 FSDP_PURE = stack("fsdp", grad_dtype="bf16")
 FSDP_EAGER = stack("fsdp-eager", grad_dtype="bf16")  # torchtitan without torch.compile
+# What a file of runs must have (published_runs_more.csv's other columns are optional).
+REQUIRED_COLUMNS = ("source", "model", "layers", "hidden", "heads", "seq", "vocab", "gpu", "n_gpus", "tp", "pp", "dp",
+                    "global_bs")
 # A row whose model or notes say it routes tokens to experts: the planner prices dense
 # blocks only, and a mixture of experts priced as dense would be wrong by its sparsity.
 MIXTURE_OF_EXPERTS = re.compile(r"\b(moe|mixtral|dbrx|grok|arctic|olmoe|jamba|deepseek[- ]?v[23])\b"
@@ -196,99 +202,120 @@ def published_runs_more(csv_path: Path | None = None, name: str = "published_run
     def skip(reason: str) -> None:
         skipped[reason] = skipped.get(reason, 0) + 1
 
-    for row in csv.DictReader(path.open()):
+    reader = csv.DictReader(path.open())
+    missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"no column {', '.join(missing)}")
+    for line, row in enumerate(reader, start=2):
         row = {k: (v or "").strip() for k, v in row.items() if k}
-        notes = row.get("notes", "").lower()
-        precision = "fp8" if "fp8" in notes else "bf16"
-        table_gpu = gpu_by_name(_gpu(row.get("gpu", "")))
-        if table_gpu is None:
-            skip("GPU not in ember's table")
+        try:
+            run = _more_run(row, name, skip)
+        except (KeyError, ValueError, ConfigError) as e:  # one row a reader cannot use, not the file
+            skip(f"line {line}: {e}")
             continue
-        if "fp4" in notes:
-            skip("FP4 (not priced)")
-            continue
-        if MIXTURE_OF_EXPERTS.search(f"{row['model']} {notes}".lower()):
-            skip("mixture of experts (not priced)")
-            continue
-        if precision == "fp8" and "rowwise" in notes:
-            skip("FP8 with row-wise scales (not priced)")
-            continue
-        if precision == "fp8" and not table_gpu.fp8:
-            skip("FP8 on a GPU without FP8 tensor cores")
-            continue
-        if row["source"] == "torchtitan-H100" and not (_note(row, "precision") or "").startswith(("bf16", "fp8")):
-            skip("precision not stated")
-            continue
-        if not row.get("tp") or not row.get("pp"):
-            skip("layout not stated")
-            continue
-        model, seq, gpus = _more_model(row), _int(row["seq"]), _int(row["n_gpus"])
-        tp, pp, dp, cp = _int(row["tp"]), _int(row["pp"]), _int(row["dp"]), _int(_note(row, "cp") or "1")
-        shape = TrainShape(seq, _int(row["global_bs"]), precision)
-        tokens = _number(_note(row, "tok_s_gpu") or "0")
-        if not tokens and row.get("tflops_per_gpu"):
-            flops = model_flops_per_token(model, seq)  # the whole s x s square, as NeMo's older tables
-            if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
-                flops += recompute_flops_per_token(model, seq, "full")  # the figure counts the rerun too
-            tokens = float(row["tflops_per_gpu"]) * 1e12 / flops
-        if not tokens and row.get("mfu"):
-            mfu = _number(row["mfu"])
-            tokens = (mfu / 100 if mfu > 1 else mfu) * table_gpu.peak_bf16_flops / model_flops_per_token(model, seq)
-        if not tokens:
-            skip("no throughput")
-            continue
-        gpu, source = _gpu(row["gpu"]), row["source"]
-        mem = _note(row, "mem_GiB")
-        group = (source, row["model"], gpu, gpus, seq) + ((precision,) if precision != "bf16" else ())
-        label = row["model"]
-        if source == "llm-foundry":
-            stack = FSDP_PURE if _note(row, "fsdp_mp") == "PURE" else FSDP_AMP
-            cluster = make_cluster(gpu, gpus, 8, inter_gbps=25.0 if gpu.startswith("A100") else None, stack=stack)
-            layout = Layout(dp_shard=dp, zero=_int(row["zero"]), micro_batch=_int(row["micro_bs"]),
-                            recompute=row["recompute"])
-            run = Run(name, source, group, model, cluster, shape, tokens, layout=layout, label=label)
-        elif source == "torchtitan-H100":
-            # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
-            async_tp = (_note(row, "asyncTP") or "").startswith("yes")
-            eager = (_note(row, "compile") or "").startswith("no")
-            base = FSDP_EAGER if eager else FSDP_PURE
-            cluster = make_cluster(gpu, gpus, 8, stack=replace(base, overlap_tp_comm=async_tp))
-            recompute = "selective" if row["recompute"].startswith("sel") else row["recompute"]
-            # Interleaved 1F1B: torchtitan's default of two stages per rank.
-            vpp = 2 if "interleaved" in (_note(row, "pp_schedule") or "").lower() else 1
-            layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=3, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
-                            recompute=recompute, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, cp=cp)
-            group = group + (_note(row, "compile") or "", _note(row, "asyncTP") or "")
-            run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
-                      memory_gib=_number(mem) if mem else None, label=label)
-        elif source == "megatron-core":
-            # Micro-batch, recomputation and schedule are not stated: searched, as N21. Its FP8
-            # rows follow NeMo's performance recipes.
-            cluster = make_cluster(gpu, gpus, 8, stack=NEMO if precision == "fp8" else MEGATRON_CORE_OVERLAP)
-            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1, "cp": cp}
-            vp = _note(row, "vp") or ""
-            if vp.isdigit() and int(vp) > 1:
-                fixed.update(schedule="interleaved", vpp=int(vp))
-            key = ("megatron-core", "weak scaling", row["model"]) + ((precision,) if precision != "bf16" else ())
-            run = Run(name, source, key, model, cluster, shape, tokens, fixed=fixed, label=label)
-        elif source.lower() == "nemo":
-            # NeMo's performance recipes: Megatron-Core with the distributed optimizer, its
-            # gradient reduction and parameter gathers overlapped; recomputation not stated.
-            cluster = make_cluster(gpu, gpus, 8, stack=NEMO)
-            zero = 3 if "megatron-fsdp" in notes else 1
-            fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1, "cp": cp}
-            if row.get("micro_bs"):
-                fixed["micro_batch"] = _int(row["micro_bs"])
-            vp = _note(row, "vp") or ""
-            if vp.isdigit() and int(vp) > 1:
-                fixed.update(schedule="interleaved", vpp=int(vp))
-            group = group + (_note(row, "container") or "",)
-            run = Run(name, source, group, model, cluster, shape, tokens, fixed=fixed, label=label)
-        else:
-            run = _any_source(row, name, model, shape, tokens, group)
-        run.unseen = unseen
-        runs.append(run)
+        if run is not None:
+            run.unseen = unseen
+            runs.append(run)
     return runs, skipped
+
+
+def _more_run(row: dict, name: str, skip) -> Run | None:
+    """One row of published_runs_more's columns as a Run, or None (counted by `skip`)."""
+    notes = row.get("notes", "").lower()
+    precision = "fp8" if "fp8" in notes else "bf16"
+    table_gpu = gpu_by_name(_gpu(row.get("gpu", "")))
+    if table_gpu is None:
+        skip("GPU not in ember's table")
+        return None
+    if "fp4" in notes:
+        skip("FP4 (not priced)")
+        return None
+    if MIXTURE_OF_EXPERTS.search(f"{row['model']} {notes}".lower()):
+        skip("mixture of experts (not priced)")
+        return None
+    if precision == "fp8" and "rowwise" in notes:
+        skip("FP8 with row-wise scales (not priced)")
+        return None
+    if precision == "fp8" and not table_gpu.fp8:
+        skip("FP8 on a GPU without FP8 tensor cores")
+        return None
+    if row["source"] == "torchtitan-H100" and not (_note(row, "precision") or "").startswith(("bf16", "fp8")):
+        skip("precision not stated")
+        return None
+    if not row.get("tp") or not row.get("pp"):
+        skip("layout not stated")
+        return None
+    model, seq, gpus = _more_model(row), _int(row["seq"]), _int(row["n_gpus"])
+    tp, pp, cp = _int(row["tp"]), _int(row["pp"]), _int(_note(row, "cp") or "1")
+    if not row["dp"]:  # what the other degrees leave
+        row["dp"] = str(gpus // (tp * pp * cp))
+    dp = _int(row["dp"])
+    if tp * pp * dp * cp != gpus:
+        skip("tp x pp x dp x cp is not the GPU count")
+        return None
+    shape = TrainShape(seq, _int(row["global_bs"]), precision)
+    tokens = _number(_note(row, "tok_s_gpu") or "0")
+    if not tokens and row.get("tflops_per_gpu"):
+        flops = model_flops_per_token(model, seq)  # the whole s x s square, as NeMo's older tables
+        if _note(row, "tflops") == "hardware" and row.get("recompute") == "full":
+            flops += recompute_flops_per_token(model, seq, "full")  # the figure counts the rerun too
+        tokens = float(row["tflops_per_gpu"]) * 1e12 / flops
+    if not tokens and row.get("mfu"):
+        mfu = _number(row["mfu"])
+        tokens = (mfu / 100 if mfu > 1 else mfu) * table_gpu.peak_bf16_flops / model_flops_per_token(model, seq)
+    if not tokens:
+        skip("no throughput")
+        return None
+    gpu, source = _gpu(row["gpu"]), row["source"]
+    mem = _note(row, "mem_GiB")
+    group = (source, row["model"], gpu, gpus, seq) + ((precision,) if precision != "bf16" else ())
+    label = row["model"]
+    if source == "llm-foundry":
+        stack = FSDP_PURE if _note(row, "fsdp_mp") == "PURE" else FSDP_AMP
+        cluster = make_cluster(gpu, gpus, 8, inter_gbps=25.0 if gpu.startswith("A100") else None, stack=stack)
+        layout = Layout(dp_shard=dp, zero=_int(row["zero"]), micro_batch=_int(row["micro_bs"]),
+                        recompute=row["recompute"])
+        run = Run(name, source, group, model, cluster, shape, tokens, layout=layout, label=label)
+    elif source == "torchtitan-H100":
+        # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
+        async_tp = (_note(row, "asyncTP") or "").startswith("yes")
+        eager = (_note(row, "compile") or "").startswith("no")
+        base = FSDP_EAGER if eager else FSDP_PURE
+        cluster = make_cluster(gpu, gpus, 8, stack=replace(base, overlap_tp_comm=async_tp))
+        recompute = "selective" if row["recompute"].startswith("sel") else row["recompute"]
+        # Interleaved 1F1B: torchtitan's default of two stages per rank.
+        vpp = 2 if "interleaved" in (_note(row, "pp_schedule") or "").lower() else 1
+        layout = Layout(tp=tp, pp=pp, dp_shard=dp, zero=3, sp=tp > 1, micro_batch=_int(row["micro_bs"]),
+                        recompute=recompute, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, cp=cp)
+        group = group + (_note(row, "compile") or "", _note(row, "asyncTP") or "")
+        run = Run(name, source, group, model, cluster, shape, tokens, layout=layout,
+                  memory_gib=_number(mem) if mem else None, label=label)
+    elif source == "megatron-core":
+        # Micro-batch, recomputation and schedule are not stated: searched, as N21. Its FP8
+        # rows follow NeMo's performance recipes.
+        cluster = make_cluster(gpu, gpus, 8, stack=NEMO if precision == "fp8" else MEGATRON_CORE_OVERLAP)
+        fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1, "cp": cp}
+        vp = _note(row, "vp") or ""
+        if vp.isdigit() and int(vp) > 1:
+            fixed.update(schedule="interleaved", vpp=int(vp))
+        key = ("megatron-core", "weak scaling", row["model"]) + ((precision,) if precision != "bf16" else ())
+        run = Run(name, source, key, model, cluster, shape, tokens, fixed=fixed, label=label)
+    elif source.lower() == "nemo":
+        # NeMo's performance recipes: Megatron-Core with the distributed optimizer, its
+        # gradient reduction and parameter gathers overlapped; recomputation not stated.
+        cluster = make_cluster(gpu, gpus, 8, stack=NEMO)
+        zero = 3 if "megatron-fsdp" in notes else 1
+        fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "dp_shard": dp, "sp": tp > 1, "cp": cp}
+        if row.get("micro_bs"):
+            fixed["micro_batch"] = _int(row["micro_bs"])
+        vp = _note(row, "vp") or ""
+        if vp.isdigit() and int(vp) > 1:
+            fixed.update(schedule="interleaved", vpp=int(vp))
+        group = group + (_note(row, "container") or "",)
+        run = Run(name, source, group, model, cluster, shape, tokens, fixed=fixed, label=label)
+    else:
+        run = _any_source(row, name, model, shape, tokens, group)
+    return run
 
 
 # A source this module has no rule for: its stack from its name or notes, first match wins.

@@ -163,11 +163,32 @@ def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, t
     assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "is not a file of runs" in err and "Traceback" not in err
-    unknown = tmp_path / "unknown.csv"
-    unknown.write_text(HEADER + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,8,,,64,,,,"
-                                "tok_s_gpu=9000; stack=jax,16,8192\n")
-    assert accuracy.main(["--no-write", "--csv", str(unknown)]) == 2
-    assert "unknown --stack 'jax'" in capsys.readouterr().err
+    columns = tmp_path / "columns.csv"
+    columns.write_text(HEADER.replace(",dp,", ",") + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,,,64\n")
+    assert accuracy.main(["--no-write", "--csv", str(columns)]) == 2
+    assert "no column dp" in capsys.readouterr().err
+
+
+def test_a_runs_file_row_that_cannot_be_used_is_skipped_with_its_line(accuracy, tmp_path):
+    """One bad row does not stop a file: it is skipped with its line and the reason, and the
+    rest are priced. An empty dp is what the other degrees leave of the GPU count."""
+    import planner_sets
+
+    path = tmp_path / "runs.csv"
+    row = "Lab Z,GPT 1.3B,1.3,24,2048,16,2048,50257,A100-80GB,{},,,64,,,,tok_s_gpu=9000{},,\n"
+    path.write_text(HEADER + row.format("8,1,1,", "")  # dp left empty: 8 / (1 x 1)
+                    + row.format("8,1,1,8", "; stack=jax")  # line 3: a stack ember does not know
+                    + row.format("8,2,1,8", "")  # 2 x 1 x 8 is not 8 GPUs
+                    + row.format("8,1,1,8", "").replace("2048,16,", "2048,sixteen,")  # line 5
+                    + row.format("6,3,1,", ""))  # dp 2, but tp 3 does not divide 16 heads: nothing to search
+    runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    assert [r.fixed["dp"] for r in runs] == [8, 2]
+    assert skipped["tp x pp x dp x cp is not the GPU count"] == 1
+    assert any(k.startswith("line 3: unknown --stack 'jax'") for k in skipped)
+    assert any(k.startswith("line 5: ") for k in skipped) and len(skipped) == 3
+    result = accuracy.evaluate_runs("runs", runs, skipped, unseen=True)
+    assert result["held_out"]["rows"] == 1
+    assert any("with tp=3" in k and "divide the 16 heads" in k for k in result["skipped"])
 
 
 def test_large_runs_never_fitted(accuracy):

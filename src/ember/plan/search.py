@@ -31,6 +31,12 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     start = time.perf_counter()
     layouts = [lo for lo in candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs,
                                        fixed=fixed, ember_only=ember_only) if cluster.stack.runs_schedule(lo)]
+    if not layouts and fixed:
+        pinned = ",".join(f"{k}={v}" for k, v in fixed.items())
+        raise ConfigError(f"no layout of {model.name} with {pinned} runs on {cluster.n_gpus} GPUs at a global "
+                          f"batch of {shape.global_batch}: the degrees must multiply to the GPU count, tp "
+                          f"divide the {model.heads} heads and {model.kv_heads} KV heads, and dp x micro-batch "
+                          "the global batch.")
     if not layouts:
         raise ConfigError(f"no layout of {model.name} divides evenly over {cluster.n_gpus} GPUs at a global "
                           f"batch of {shape.global_batch}; try a global batch that is a multiple of the GPU count.")
