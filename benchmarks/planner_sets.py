@@ -111,7 +111,11 @@ class Run:
 
 
 def _int(text: str) -> int:
-    return int(re.sub(r"[^0-9]", "", text))
+    """A whole number as tables write one ("1?", "~8", "6,144"); a range or a fraction is not."""
+    digits = re.fullmatch(r"[~≈]?\s*(\d{1,3}(?:,\d{3})+|\d+)\s*\??", text.strip())
+    if not digits:
+        raise ValueError(f"{text!r} is not a whole number")
+    return int(digits.group(1).replace(",", ""))
 
 
 def _note(row: dict, key: str) -> str | None:

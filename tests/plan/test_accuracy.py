@@ -180,12 +180,14 @@ def test_a_runs_file_row_that_cannot_be_used_is_skipped_with_its_line(accuracy, 
                     + row.format("8,1,1,8", "; stack=jax")  # line 3: a stack ember does not know
                     + row.format("8,2,1,8", "")  # 2 x 1 x 8 is not 8 GPUs
                     + row.format("8,1,1,8", "").replace("2048,16,", "2048,sixteen,")  # line 5
-                    + row.format("6,3,1,", ""))  # dp 2, but tp 3 does not divide 16 heads: nothing to search
+                    + row.format("6,3,1,", "")  # dp 2, but tp 3 does not divide 16 heads: nothing to search
+                    + row.format("8,1,1,8", "").replace(",,,64,", ",,1-2,64,"))  # line 7: a range of micro-batches
     runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
     assert [r.fixed["dp"] for r in runs] == [8, 2]
     assert skipped["tp x pp x dp x cp is not the GPU count"] == 1
     assert any(k.startswith("line 3: unknown --stack 'jax'") for k in skipped)
-    assert any(k.startswith("line 5: ") for k in skipped) and len(skipped) == 3
+    assert any(k.startswith("line 5: ") for k in skipped) and len(skipped) == 4
+    assert "line 7: '1-2' is not a whole number" in skipped
     result = accuracy.evaluate_runs("runs", runs, skipped, unseen=True)
     assert result["held_out"]["rows"] == 1
     assert any("with tp=3" in k and "divide the 16 heads" in k for k in result["skipped"])
