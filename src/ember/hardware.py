@@ -131,6 +131,8 @@ _ALIASES = {
     "h100": "H100 SXM", "h10080gb": "H100 SXM", "h800": "H800 SXM", "h80080gb": "H800 SXM",
     "h200": "H200 SXM", "h200141gb": "H200 SXM",
     "4090": "RTX 4090", "2080ti": "RTX 2080 Ti", "3090": "RTX 3090", "b200": "B200", "gb200": "GB200",
+    # A bare "V100" in a training paper is a DGX's SXM2 part (DGX-1 16 GB, DGX-2 32 GB).
+    "v100": "V100 SXM2 32GB", "v10032gb": "V100 SXM2 32GB", "v10016gb": "V100 SXM2 16GB",
 }
 
 

@@ -13,6 +13,7 @@ from ember.hardware import GPUS, gpu_by_name
     ("A100-40GB", "A100 SXM4 40GB"), ("A100-80GB", "A100 SXM4 80GB"), ("a100", "A100 SXM4 80GB"),
     ("A800", "A800 SXM4 80GB"), ("H100", "H100 SXM"), ("h800", "H800 SXM"), ("H200", "H200 SXM"),
     ("L4", "L4"), ("RTX 4090", "RTX 4090"), ("rtx-2080-ti", "RTX 2080 Ti"), ("H100 PCIe", "H100 PCIe"),
+    ("V100", "V100 SXM2 32GB"), ("V100-16GB", "V100 SXM2 16GB"),
 ])
 def test_short_names(typed, name):
     assert gpu_by_name(typed).name == name
