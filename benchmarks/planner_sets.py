@@ -141,7 +141,7 @@ def _gpu(text: str) -> str:
                          ("H200", "H200"), ("H100", "H100")):
         if name.startswith(pattern):
             return gpu
-    found = find_gpu(name)  # as a device reports it ("DGX-B200", "NVIDIA GB200")
+    found = gpu_by_name(name) or find_gpu(name)  # a short name ("V100"), or as a device reports it ("DGX-B200")
     return found.name if found else name
 
 
