@@ -15,7 +15,7 @@ HOST_OVERLAP_POWER (plan/predict.py) on its grid; the power with the best score 
 another grid value beats its current one by more than TIE: rows that do not determine a
 constant leave it where it was. Stacks that run the same
 kernels share their figures (FAMILY: `nemo` is Megatron-Core with its overlap options on,
-`fsdp-eager` FSDP without torch.compile).
+`fsdp-eager` FSDP without torch.compile, `llm-foundry` FSDP with a fused cross-entropy).
 Prints the values; they are copied by hand into plan/stacks.py, plan/overlap.py and
 plan/predict.py, with the output committed under benchmarks/results/.
 """
@@ -43,7 +43,8 @@ PER_MICRO_BATCH = ("deepspeed",)  # vTrain: 4 layer counts per layout
 HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]  # the 10-30% GEMMs lose beside NCCL (plan/overlap.py)
 TIE = 1e-4  # score differences below this are not a reason to move a constant
-FAMILY = {"nemo": "megatron", "fsdp-eager": "fsdp"}  # fitted together: the same software, other options
+# Fitted together: the same software, other options.
+FAMILY = {"nemo": "megatron", "fsdp-eager": "fsdp", "llm-foundry": "fsdp"}
 
 
 def family(run) -> str:

@@ -76,8 +76,9 @@ MEGATRON_CORE_OVERLAP = stack("nemo", grad_dtype="fp32")
 # where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
 # runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
 MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
-FSDP_AMP = stack("fsdp")  # Composer's DEFAULT mixed precision reduces in fp32
-FSDP_PURE = stack("fsdp", grad_dtype="bf16")
+FOUNDRY_AMP = stack("llm-foundry")  # Composer's DEFAULT mixed precision reduces in fp32
+FOUNDRY_PURE = stack("llm-foundry", grad_dtype="bf16")
+FSDP_PURE = stack("fsdp", grad_dtype="bf16")  # torchtitan
 FSDP_EAGER = stack("fsdp-eager", grad_dtype="bf16")  # torchtitan without torch.compile
 # What a file of runs must have (published_runs_more.csv's other columns are optional).
 REQUIRED_COLUMNS = ("source", "model", "layers", "hidden", "heads", "seq", "vocab", "gpu", "n_gpus", "tp", "pp", "dp",
@@ -275,7 +276,7 @@ def _more_run(row: dict, name: str, skip) -> Run | None:
     group = (source, row["model"], gpu, gpus, seq) + ((precision,) if precision != "bf16" else ())
     label = row["model"]
     if source == "llm-foundry":
-        stack = FSDP_PURE if _note(row, "fsdp_mp") == "PURE" else FSDP_AMP
+        stack = FOUNDRY_PURE if _note(row, "fsdp_mp") == "PURE" else FOUNDRY_AMP
         cluster = make_cluster(gpu, gpus, 8, inter_gbps=25.0 if gpu.startswith("A100") else None, stack=stack)
         layout = Layout(dp_shard=dp, zero=_int(row["zero"]), micro_batch=_int(row["micro_bs"]),
                         recompute=row["recompute"])
@@ -325,7 +326,7 @@ def _more_run(row: dict, name: str, skip) -> Run | None:
 # A source this module has no rule for: its stack from its name or notes, first match wins.
 STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"),
                ("nemo", "nemo"), ("megatron-bridge", "nemo"), ("megatron-fsdp", "nemo"),
-               ("foundry", "fsdp"), ("composer", "fsdp"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
+               ("foundry", "llm-foundry"), ("composer", "llm-foundry"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
                ("ember", "ember"), ("megatron", "megatron"))
 
 

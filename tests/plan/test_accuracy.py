@@ -253,3 +253,16 @@ def test_memory_is_reported_against_the_published_peaks(accuracy):
     assert "2 rows with a measured peak, median |err| 10.0%, max 10.0%, bias +0.0%" in line
     assert "ran out of memory: 1/1 predicted not to fit" in line
     assert accuracy.memory_line([record(None, 1.0)]) is None
+
+
+def test_a_runs_file_row_from_llm_foundry_or_composer_is_priced_with_its_fused_loss(tmp_path):
+    import planner_sets
+
+    path = tmp_path / "runs.csv"
+    row = "{},MPT 1B,1.3,24,2048,16,2048,50368,A100-80GB,8,1,1,8,3,,64,,,,tok_s_gpu=9000,,\n"
+    path.write_text(HEADER + row.format("MosaicML llm-foundry") + row.format("Composer (FSDP)")
+                    + row.format("Lab (FSDP)"))
+    runs, _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    assert [r.cluster.stack.name for r in runs] == ["llm-foundry", "llm-foundry", "fsdp"]
+    assert (runs[0].cluster.stack.loss_fwd_bytes, runs[0].cluster.stack.loss_bwd_bytes) == (2, 4)
+    assert (runs[2].cluster.stack.loss_fwd_bytes, runs[2].cluster.stack.loss_bwd_bytes) == (38, 14)

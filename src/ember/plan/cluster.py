@@ -91,6 +91,12 @@ class Stack:
     # logits never exist; where it is split, PyTorch's cross-entropy under loss_parallel.
     # False: Megatron-LM's fused vocabulary-parallel cross-entropy, which works in place.
     fused_loss: bool = True
+    # Bytes the cross-entropy moves per logit, forward and backward (plan/timing.py:
+    # head_times): a vocabulary-parallel loss over fp32 logits (Megatron-LM's, and PyTorch's
+    # on `logits.float()`) 38 and 14; one that reads the bf16 logits in a single kernel and
+    # writes their gradient in another (flash-attn's Triton cross-entropy) 2 and 4.
+    loss_fwd_bytes: float = 38
+    loss_bwd_bytes: float = 14
     # Whether gradients are freed after every optimizer step (zero_grad(set_to_none=True))
     # and made again in backward, in the room freed activations leave, rather than kept in
     # a persistent buffer (Megatron-LM's and DeepSpeed's contiguous gradient buffers).

@@ -27,7 +27,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--model", help="a recipe .toml or a preset (gpt3-175b, llama3-8b, ...)")
     plan.add_argument("--gpu", nargs="+",
-                      help="GPU type: V100, A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, RTX 2080 Ti, ...")
+                      help="GPU type: V100, A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, "
+                           "RTX 2080 Ti, ...")
     plan.add_argument("--gpus", type=int, help="number of GPUs")
     plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or the profile's)")
     plan.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-GPU link inside a node, one direction")
@@ -43,7 +44,7 @@ def register_plan(verbs, measure_tp_block=None) -> None:
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
     plan.add_argument("--stack", help="the training software: ember (default), megatron, nemo, megatron-2021, "
-                                      "deepspeed, fsdp or fsdp-eager (what each does: docs/planner.md)")
+                                      "deepspeed, fsdp, fsdp-eager or llm-foundry (what each does: docs/planner.md)")
     plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")

@@ -154,7 +154,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
         fwd, bwd = fwd + embed_fwd, bwd + embed_bwd
     if output:
         head_fwd, head_bwd = head_times(model, cluster.gpu, cluster.links, local_seq, lo.micro_batch, lo.tp,
-                                        lo.sp, width)
+                                        lo.sp, width, (stack.loss_fwd_bytes, stack.loss_bwd_bytes))
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)

@@ -25,6 +25,11 @@ naming what that software does, not tuning ember's own constants to it:
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
   recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
+- `llm-foundry`: the same FSDP as MosaicML's llm-foundry runs it, whose default loss is
+  flash-attn's Triton cross-entropy: the bf16 logits read once forward, their gradient
+  written once backward (6 bytes a logit where an fp32 softmax moves 52; it matters where
+  the vocabulary is large beside the width: a third of MPT-125m's step). Same kernels
+  otherwise, so the same fitted figures as `fsdp`.
 - `fsdp-eager`: the same without torch.compile (torchtitan's default): RMSNorm, rotary
   embedding and SwiGLU run as eager PyTorch's composites of several kernels each, which
   move fp32 intermediates through memory (plan/timing.py). Same kernels otherwise, so the
@@ -78,6 +83,7 @@ STACKS: dict[str, Stack] = {
 
 
 STACKS["fsdp-eager"] = replace(STACKS["fsdp"], name="fsdp-eager", fused_elementwise=False)
+STACKS["llm-foundry"] = replace(STACKS["fsdp"], name="llm-foundry", loss_fwd_bytes=2, loss_bwd_bytes=4)
 STACKS["nemo"] = replace(STACKS["megatron"], name="nemo", overlap_grad_reduce=True, overlap_param_gather=True,
                          overlap_tp_comm=True, grad_dtype="bf16")
 

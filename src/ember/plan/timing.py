@@ -320,7 +320,8 @@ def layer_kernel_count(model, attention: str, softmax_fused: bool = True, fp8: b
 
 
 @lru_cache(maxsize=4096)
-def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, width: int = 1) -> tuple[Work, Work]:
+def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, width: int = 1,
+               loss_bytes: tuple = (LOSS_FWD_BYTES, LOSS_BWD_BYTES)) -> tuple[Work, Work]:
     """The last stage's extra work: final norm, output projection and the loss.
 
     The loss is a vocabulary-parallel cross-entropy over fp32 logits as Megatron-LM writes it
@@ -328,18 +329,19 @@ def head_times(model, gpu, links, seq: int, mbs: int, tp: int, sp: bool, width: 
     as much): forward casts the bf16 logits to fp32 (2 + 4 bytes per logit), takes the max
     (4), subtracts it (4 + 4), exponentiates in place (4 + 4), sums (4) and normalises in place
     (4 + 4): 38 bytes; backward scales the saved softmax by the incoming gradient (4 + 4) and
-    casts it back to bf16 (4 + 2): 14 bytes. With tensor parallelism the output layer's input
-    is all-gathered (sequence parallel) and its gradient reduce-scattered, or, without SP, its
-    input gradient all-reduced; the loss all-reduces three per-token fp32 scalars (max,
-    target logit, sum of exponentials)."""
+    casts it back to bf16 (4 + 2): 14 bytes (`loss_bytes`: a stack's own, e.g. a fused loss
+    that reads the bf16 logits once and writes their gradient once, 2 and 4). With tensor
+    parallelism the output layer's input is all-gathered (sequence parallel) and its gradient
+    reduce-scattered, or, without SP, its input gradient all-reduced; the loss all-reduces
+    three per-token fp32 scalars (max, target logit, sum of exponentials)."""
     tokens = mbs * seq
     predicted = tokens * model.predicted_fraction
     h, vocab = model.hidden, model.padded_vocab / tp
     fwd_mm = matmul_s(predicted, vocab, h, gpu)
     bwd_mm = matmul_s(predicted, h, vocab, gpu) + matmul_s(h, vocab, predicted, gpu)
     norm = memory_s(tokens * 4 * h * width / (tp if sp else 1), gpu)
-    loss_fwd = memory_s(predicted * vocab * LOSS_FWD_BYTES, gpu)
-    loss_bwd = memory_s(predicted * vocab * LOSS_BWD_BYTES, gpu)
+    loss_fwd = memory_s(predicted * vocab * loss_bytes[0], gpu)
+    loss_bwd = memory_s(predicted * vocab * loss_bytes[1], gpu)
     comm_fwd = comm_bwd = 0.0
     if tp > 1:
         group = comm.place(tp, 1, links.gpus_per_node)
