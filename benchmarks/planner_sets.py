@@ -41,8 +41,8 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ember.errors import ConfigError
 from ember.cost import model_flops_per_token, recompute_flops_per_token
+from ember.errors import ConfigError
 from ember.hardware import find_gpu, gpu_by_name
 from ember.layout import Layout
 from ember.plan.cluster import Cluster, make_cluster
