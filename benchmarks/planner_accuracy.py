@@ -232,6 +232,18 @@ def memory_line(records: list[dict]) -> str | None:
     return text
 
 
+def by_source(records: list[dict]) -> list[str]:
+    """Median signed error by source, GPU and recomputation: where a software's rows lean."""
+    parts: dict[tuple, list[float]] = {}
+    for r in records:
+        if r["error"] is not None:
+            run = r["run"]
+            key = (run.source, run.cluster.gpu.name, r["prediction"].layout.recompute)
+            parts.setdefault(key, []).append(r["error"])
+    return [f"  {s:<16}{g:<16}{rc:<11}{len(e):>5} rows  median {100 * statistics.median(e):+6.1f}%"
+            for (s, g, rc), e in sorted(parts.items())]
+
+
 def fmt(s: dict) -> str:
     if not s.get("rows"):
         return "no rows"
@@ -278,6 +290,10 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
             lines.append(f"  {run.source:<16}{run.label[:14]:<15}{run.cluster.gpu.name[:9]:<10}{run.cluster.n_gpus:>5} "
                          f"{text:<72}{run.measured:>9.0f}{p.tokens_per_s_per_gpu:>9.0f} {err}"
                          + ("  held out" if run.held_out else ""))
+    more = next((res for res in results if res["name"] == "published_runs_more"), None)
+    if more:
+        lines += ["", "published_runs_more by source, GPU and recomputation (signed error):"]
+        lines += by_source(more["records"])
     lines.append(f"\n({seconds:.1f} s)")
     return "\n".join(lines) + "\n"
 

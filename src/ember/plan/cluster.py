@@ -33,6 +33,7 @@ from ember.atomic import write_text
 from ember.config import ConfigError
 from ember.hardware import GPU, GPUS, gpu_by_name
 from ember.plan.comm import Links
+from ember.plan.timing import LOSS_BWD_BYTES, LOSS_FWD_BYTES
 
 PROFILE_FORMAT = "ember-plan-profile/1"
 
@@ -92,11 +93,11 @@ class Stack:
     # False: Megatron-LM's fused vocabulary-parallel cross-entropy, which works in place.
     fused_loss: bool = True
     # Bytes the cross-entropy moves per logit, forward and backward (plan/timing.py:
-    # head_times): a vocabulary-parallel loss over fp32 logits (Megatron-LM's, and PyTorch's
-    # on `logits.float()`) 38 and 14; one that reads the bf16 logits in a single kernel and
-    # writes their gradient in another (flash-attn's Triton cross-entropy) 2 and 4.
-    loss_fwd_bytes: float = 38
-    loss_bwd_bytes: float = 14
+    # head_times): by default a loss over fp32 logits (Megatron-LM's vocabulary-parallel one,
+    # PyTorch's on `logits.float()`); 2 and 4 for one that reads the bf16 logits in a single
+    # kernel and writes their gradient in another (flash-attn's Triton cross-entropy).
+    loss_fwd_bytes: float = LOSS_FWD_BYTES
+    loss_bwd_bytes: float = LOSS_BWD_BYTES
     # Whether gradients are freed after every optimizer step (zero_grad(set_to_none=True))
     # and made again in backward, in the room freed activations leave, rather than kept in
     # a persistent buffer (Megatron-LM's and DeepSpeed's contiguous gradient buffers).

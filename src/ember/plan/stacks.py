@@ -28,7 +28,7 @@ naming what that software does, not tuning ember's own constants to it:
 - `llm-foundry`: the same FSDP as MosaicML's llm-foundry runs it, whose default loss is
   flash-attn's Triton cross-entropy: the bf16 logits read once forward, their gradient
   written once backward (6 bytes a logit where an fp32 softmax moves 52; it matters where
-  the vocabulary is large beside the width: a third of MPT-125m's step). Same kernels
+  the vocabulary is large beside the width: predicted, a sixth of an MPT-125m step). Same kernels
   otherwise, so the same fitted figures as `fsdp`.
 - `fsdp-eager`: the same without torch.compile (torchtitan's default): RMSNorm, rotary
   embedding and SwiGLU run as eager PyTorch's composites of several kernels each, which
