@@ -244,7 +244,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         fwd, bwd = _stage_work(model, cluster, shape, lo, i)
         params = stage_params(model, lo, i)
         grads = params * grad_bytes
-        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
+        buckets = _reduction_units(model, lo, i, grads, stack)
         per_mb = 0.0
         if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
@@ -303,6 +303,17 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
                       shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision))
+
+
+def _reduction_units(model, lo: Layout, stage: int, grads: float, stack) -> int:
+    """How many collectives a ZeRO-0/1/2 reduction (and gather) over `grads` bytes is
+    issued as: a bucketed stack (DDP, Megatron-LM, DeepSpeed) fills buckets of
+    BUCKET_BYTES; FSDP (and ember, built on it) reduces each wrapped block's gradients
+    as one flat tensor, plus one for the root unit (embeddings, final norm, output layer).
+    Each pays the ring's latency, which over hundreds of ranks is what bucket size decides."""
+    if stack.per_block_grads:
+        return max(1, lo.rank_layers(model)[stage]) + any(holds(lo, stage))
+    return max(1, math.ceil(grads / BUCKET_BYTES))
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
