@@ -299,7 +299,7 @@ def _more_run(row: dict, name: str, skip) -> Run | None:
         # Micro-batch, recomputation and schedule are not stated: searched, as N21. Its FP8
         # rows follow NeMo's performance recipes.
         cluster = make_cluster(gpu, gpus, 8, stack=NEMO if precision == "fp8" else MEGATRON_CORE_OVERLAP)
-        fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "sp": tp > 1, "cp": cp}
+        fixed = {"tp": tp, "pp": pp, "dp": dp, "zero": 1, "dp_shard": dp, "sp": tp > 1, "cp": cp}
         vp = _note(row, "vp") or ""
         if vp.isdigit() and int(vp) > 1:
             fixed.update(schedule="interleaved", vpp=int(vp))

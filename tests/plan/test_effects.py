@@ -17,7 +17,9 @@ from ember.plan.search import search
 from ember.plan.stacks import stack
 from ember.plan.predict import (
     HOST_OVERLAP_POWER,
+    DDP_BUCKET_BYTES,
     _as_run,
+    _reduction_units,
     _stage_work,
     boundary_s,
     lockstep_s,
@@ -363,18 +365,33 @@ def test_torchtitan_selective_recomputation_gathers_again_under_sequence_paralle
 def test_fsdp_reduces_gradients_once_per_block_not_per_bucket():
     """FSDP (and ember's ZeRO-1/2, built on it) reduce-scatters each block's gradients as one
     flat tensor: a 3B model's 32 blocks plus the root unit pay 33 rings' latency, not one per
-    50 MB bucket of its 10 GB of fp32 gradients. Over 512 ranks a ring's latency is
-    milliseconds, so the count decides whether ZeRO-2 still scales there; llm-foundry's MPT-3b
-    loses 8% per GPU from 128 to 512 H100s."""
+    25-50 MB bucket of its 10 GB of fp32 gradients (~300 rings of 511 steps). Over 512 ranks a
+    ring's latency is milliseconds, so the count decides whether ZeRO-2 still scales there;
+    llm-foundry's MPT-3b loses 8% per GPU from 128 to 512 H100s."""
     mpt3b = dataclasses.replace(PRESETS["gpt2-small"], layers=32, hidden=2560, heads=20, mlp_hidden=10240,
                                 vocab_size=50368, max_seq_len=2048)
-    lo = dict(zero=2, micro_batch=8)
     per_gpu = {}
-    for blocks in (True, False):
-        software = dataclasses.replace(stack("fsdp"), per_block_grads=blocks)
-        for n in (128, 512):
-            shape = TrainShape(2048, 8 * n, "bf16")
-            cluster = make_cluster("H100", n, stack=software)
-            per_gpu[blocks, n] = predict(mpt3b, cluster, shape, Layout(dp_shard=n, **lo)).tokens_per_s_per_gpu
-    assert 0.9 < per_gpu[True, 512] / per_gpu[True, 128] < 1.0
-    assert per_gpu[False, 512] / per_gpu[False, 128] < 0.8  # ~300 buckets, each a 511-step ring
+    for n in (128, 512):
+        cluster = make_cluster("H100", n, stack=stack("fsdp"))
+        lo = Layout(dp_shard=n, zero=2, micro_batch=8)
+        per_gpu[n] = predict(mpt3b, cluster, TrainShape(2048, 8 * n, "bf16"), lo).tokens_per_s_per_gpu
+    assert 0.9 < per_gpu[512] / per_gpu[128] < 1.0
+
+
+def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
+    """The number of data-parallel collectives (each paying a ring's latency) is the
+    software's: FSDP one per block plus the root unit, PyTorch DDP 25 MB buckets,
+    Megatron-Core max(40M, 1M x dp) parameters per bucket when it overlaps the reduction,
+    one reduction of the whole buffer when it does not."""
+    dp = 64
+    shard = comm.place(dp, 1, 8)
+    params = stage_params(LLAMA, Layout(dp_shard=dp, zero=1), 0)
+    grads = 4 * params
+
+    def units(name, zero):
+        return _reduction_units(LLAMA, Layout(dp_shard=dp, zero=zero), 0, params, grads, shard, stack(name))
+
+    assert units("ember", 1) == units("fsdp", 2) == LLAMA.layers + 1
+    assert units("ember", 0) == -(-grads // DDP_BUCKET_BYTES)
+    assert units("nemo", 1) == -(-params // 64e6)  # 1M x 64 ranks > 40M
+    assert units("megatron", 1) == units("deepspeed", 2) == 1

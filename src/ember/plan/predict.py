@@ -40,7 +40,6 @@ from ember.plan import comm, overlap, uncertainty
 from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import (
-    BUCKET_BYTES,
     GIB,
     Memory,
     holds,
@@ -61,6 +60,7 @@ from ember.plan.timing import (
 )
 
 ADAM_BYTES = 26
+DDP_BUCKET_BYTES = 25e6  # PyTorch DDP's bucket_cap_mb
 HOST_OVERLAP_POWER = 4.0  # fitted (benchmarks/results/2026-11-25-planner-fit.txt); see _as_run
 
 
@@ -244,7 +244,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         fwd, bwd = _stage_work(model, cluster, shape, lo, i)
         params = stage_params(model, lo, i)
         grads = params * grad_bytes
-        buckets = _reduction_units(model, lo, i, grads, stack)
+        buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
         if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
@@ -263,12 +263,13 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         if lo.zero == 0:  # over the replicas, and the cp ranks that hold the same weights
             reduce = comm.all_reduce_s(grads, rep, links) + comm.all_reduce_s(grads, shard, links)
         elif lo.zero == 1:
-            reduce = comm.reduce_scatter_s(grads, shard, links) + comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
+            reduce = (overlap.sharded_s(grads, buckets, shard, links)
+                      + comm.all_reduce_s(grads / lo.shard_ranks, rep, links))
         else:
             reduce = comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
         # The last micro-batch's backward hides the step's reduction, all but its last bucket.
         reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
-        gather = comm.all_gather_s(params * weight_bytes, shard, links) if lo.zero in (1, 2) else 0.0
+        gather = overlap.sharded_s(params * weight_bytes, buckets, shard, links) if lo.zero in (1, 2) else 0.0
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.shard_ranks if lo.zero >= 1 else 1)
@@ -305,15 +306,24 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
                       shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision))
 
 
-def _reduction_units(model, lo: Layout, stage: int, grads: float, stack) -> int:
-    """How many collectives a ZeRO-0/1/2 reduction (and gather) over `grads` bytes is
-    issued as: a bucketed stack (DDP, Megatron-LM, DeepSpeed) fills buckets of
-    BUCKET_BYTES; FSDP (and ember, built on it) reduces each wrapped block's gradients
-    as one flat tensor, plus one for the root unit (embeddings, final norm, output layer).
-    Each pays the ring's latency, which over hundreds of ranks is what bucket size decides."""
+def _reduction_units(model, lo: Layout, stage: int, params: float, grads: float, shard: comm.Group, stack) -> int:
+    """How many collectives the data-parallel gradient reduction (and the ZeRO-1/2 weight
+    gather) of one stage is issued as. Each pays the ring's latency, which over hundreds of
+    ranks is milliseconds, so the count is what the software's bucketing decides:
+    - FSDP (ember's ZeRO-1/2, torchtitan, llm-foundry): one flat tensor per wrapped block,
+      plus the root unit (embeddings, final norm, output layer);
+    - PyTorch DDP (ZeRO-0 on those stacks): buckets of DDP_BUCKET_BYTES (`bucket_cap_mb`);
+    - Megatron-Core with overlapped reduction: buckets of max(40M, 1M x dp) parameters (its
+      DistributedDataParallelConfig default, sized so that large groups stay off latency);
+    - without overlap (Megatron-LM's default, DeepSpeed's 500M-element buckets): the whole
+      gradient at once, or a handful."""
     if stack.per_block_grads:
+        if lo.zero == 0:
+            return max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         return max(1, lo.rank_layers(model)[stage]) + any(holds(lo, stage))
-    return max(1, math.ceil(grads / BUCKET_BYTES))
+    if not stack.overlap_grad_reduce:
+        return 1
+    return max(1, math.ceil(params / max(40e6, 1e6 * shard.size)))
 
 
 def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:

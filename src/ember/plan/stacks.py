@@ -64,7 +64,7 @@ from ember.plan.cluster import Stack
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
-                      overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.95, attention_eff=1.05,
+                      overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.975, attention_eff=0.95,
                       selective="attention", fused_loss=False, frees_grads=False,
                       sp_keeps_gathered=False, per_block_grads=False),
     "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
