@@ -364,7 +364,7 @@ def test_torchtitan_selective_recomputation_gathers_again_under_sequence_paralle
 
 def test_fsdp_reduces_gradients_once_per_block_not_per_bucket():
     """FSDP (and ember's ZeRO-1/2, built on it) reduce-scatters each block's gradients as one
-    flat tensor: a 3B model's 32 blocks plus the root unit pay 33 rings' latency, not one per
+    flat tensor: a 3B model's 32 blocks and its tied embedding pay 33 rings' latency, not one per
     25-50 MB bucket of its 10 GB of fp32 gradients (~300 rings of 511 steps). Over 512 ranks a
     ring's latency is milliseconds, so the count decides whether ZeRO-2 still scales there;
     llm-foundry's MPT-3b loses 8% per GPU from 128 to 512 H100s."""
@@ -380,7 +380,7 @@ def test_fsdp_reduces_gradients_once_per_block_not_per_bucket():
 
 def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
     """The number of data-parallel collectives (each paying a ring's latency) is the
-    software's: FSDP one per block plus the root unit, PyTorch DDP 25 MB buckets,
+    software's: FSDP one per block plus the embedding's and the output layer's, PyTorch DDP 25 MB buckets,
     Megatron-Core max(40M, 1M x dp) parameters per bucket when it overlaps the reduction,
     one reduction of the whole buffer when it does not."""
     dp = 64
@@ -391,7 +391,9 @@ def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
     def units(name, zero):
         return _reduction_units(LLAMA, Layout(dp_shard=dp, zero=zero), 0, params, grads, shard, stack(name))
 
-    assert units("ember", 1) == units("fsdp", 2) == LLAMA.layers + 1
+    assert units("ember", 1) == units("fsdp", 2) == LLAMA.layers + 2  # the embedding, the output layer
+    tied = dataclasses.replace(LLAMA, tie_embeddings=True)
+    assert _reduction_units(tied, Layout(dp_shard=dp, zero=2), 0, params, grads, shard, stack("fsdp")) == LLAMA.layers + 1
     assert units("ember", 0) == -(-grads // DDP_BUCKET_BYTES)
     assert units("nemo", 1) == -(-params // 64e6)  # 1M x 64 ranks > 40M
     assert units("megatron", 1) == units("deepspeed", 2) == 1

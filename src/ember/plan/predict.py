@@ -247,7 +247,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
         if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
-            units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer
+            units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
             scatter = overlap.sharded_s(grads, units, shard, links)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
@@ -306,12 +306,19 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
                       shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision))
 
 
+def _edge_units(model, lo: Layout, stage: int) -> int:
+    """Sharded groups of their own beside the blocks: the embedding and the output layer
+    where this pipeline rank holds them (ember and torchtitan wrap each; tied, they are one)."""
+    embedding, output = holds(lo, stage)
+    return int(embedding or output) if model.tie_embeddings else embedding + output
+
+
 def _reduction_units(model, lo: Layout, stage: int, params: float, grads: float, shard: comm.Group, stack) -> int:
     """How many collectives the data-parallel gradient reduction (and the ZeRO-1/2 weight
     gather) of one stage is issued as. Each pays the ring's latency, which over hundreds of
     ranks is milliseconds, so the count is what the software's bucketing decides:
     - FSDP (ember's ZeRO-1/2, torchtitan, llm-foundry): one flat tensor per wrapped block,
-      plus the root unit (embeddings, final norm, output layer);
+      and the embedding and output layer's (`_edge_units`);
     - PyTorch DDP (ZeRO-0 on those stacks): buckets of DDP_BUCKET_BYTES (`bucket_cap_mb`);
     - Megatron-Core with overlapped reduction: buckets of max(40M, 1M x dp) parameters (its
       DistributedDataParallelConfig default, sized so that large groups stay off latency);
@@ -320,7 +327,7 @@ def _reduction_units(model, lo: Layout, stage: int, params: float, grads: float,
     if stack.per_block_grads:
         if lo.zero == 0:
             return max(1, math.ceil(grads / DDP_BUCKET_BYTES))
-        return max(1, lo.rank_layers(model)[stage]) + any(holds(lo, stage))
+        return max(1, lo.rank_layers(model)[stage]) + _edge_units(model, lo, stage)
     if not stack.overlap_grad_reduce:
         return 1
     return max(1, math.ceil(params / max(40e6, 1e6 * shard.size)))
