@@ -380,9 +380,9 @@ def test_fsdp_reduces_gradients_once_per_block_not_per_bucket():
 
 def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
     """The number of data-parallel collectives (each paying a ring's latency) is the
-    software's: FSDP one per block plus the embedding's and the output layer's, PyTorch DDP 25 MB buckets,
-    Megatron-Core max(40M, 1M x dp) parameters per bucket when it overlaps the reduction,
-    one reduction of the whole buffer when it does not."""
+    software's: FSDP one per block plus the embedding's and the output layer's, PyTorch DDP
+    25 MB buckets, Megatron-Core max(40M, 1M x dp) parameters per bucket when it overlaps the
+    reduction, one reduction of the whole buffer when it does not."""
     dp = 64
     shard = comm.place(dp, 1, 8)
     params = stage_params(LLAMA, Layout(dp_shard=dp, zero=1), 0)
@@ -393,7 +393,8 @@ def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
 
     assert units("ember", 1) == units("fsdp", 2) == LLAMA.layers + 2  # the embedding, the output layer
     tied = dataclasses.replace(LLAMA, tie_embeddings=True)
-    assert _reduction_units(tied, Layout(dp_shard=dp, zero=2), 0, params, grads, shard, stack("fsdp")) == LLAMA.layers + 1
+    tied_units = _reduction_units(tied, Layout(dp_shard=dp, zero=2), 0, params, grads, shard, stack("fsdp"))
+    assert tied_units == LLAMA.layers + 1
     assert units("ember", 0) == -(-grads // DDP_BUCKET_BYTES)
     assert units("nemo", 1) == -(-params // 64e6)  # 1M x 64 ranks > 40M
     assert units("megatron", 1) == units("deepspeed", 2) == 1
