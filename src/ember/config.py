@@ -100,7 +100,8 @@ class TrainConfig:
     # training goes on while they are written; still published only once complete. "auto"
     # = on CUDA, where the writer does not compete with the step for the CPU.
     checkpoint_async: str = "auto"  # auto, true, false
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere), bf16, fp32
+    # auto: bf16 on CUDA GPUs that have it, fp16 with loss scaling on older ones, fp32 elsewhere
+    precision: str = "auto"  # auto, bf16, fp16, fp32
     # torch.compile each block: "auto" = on CUDA (where fused kernels pay for the compile
     # time), except for the zero-bubble pipeline schedules that cannot run compiled stages.
     compile: str = "auto"  # auto, true, false
@@ -165,7 +166,7 @@ _CHOICES = {
     "model.document_kernel": ("auto", "flex", "sdpa"),
     "parallel.grad_dtype": ("fp32", "bf16"),
     "schedule.lr": ("triangle", "cosine", "wsd", "constant"),
-    "train.precision": ("auto", "bf16", "fp32"),
+    "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.breakdown": ("auto", "on", "off"),
     "train.compile": ("auto", "true", "false"),
     "train.checkpoint_async": ("auto", "true", "false"),

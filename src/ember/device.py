@@ -69,13 +69,25 @@ def prefer_attention_kernels(capability: tuple[int, int]) -> None:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on CUDA by default; fp32 (None) elsewhere unless asked for. (A CPU
-    with AVX512-BF16 or AMX runs bf16 matmuls about twice as fast as fp32, and larger
-    models train faster under it, but a small model's loss suffers: see
-    benchmarks/cpu_bf16.py; so on a CPU bf16 is the user's choice, not the default.)"""
+    """bf16 autocast on CUDA by default, fp16 (with loss scaling, ember.train.loss_scale)
+    on CUDA GPUs without bf16 tensor cores (before Ampere: V100, T4, RTX 20xx, where bf16
+    would be emulated); fp32 (None) elsewhere unless asked for. (A CPU with AVX512-BF16 or
+    AMX runs bf16 matmuls about twice as fast as fp32, and larger models train faster under
+    it, but a small model's loss suffers: see benchmarks/cpu_bf16.py; so on a CPU bf16 is
+    the user's choice, not the default.)"""
     if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
         return None
+    if precision == "fp16" or (precision == "auto" and not cuda_has_bf16(device)):
+        return torch.float16
+    if device.type == "cuda" and not cuda_has_bf16(device):
+        raise ConfigError(f"train.precision=bf16 needs bf16 tensor cores, which {device_name(device)} lacks "
+                          "(PyTorch would emulate them, many times slower); use train.precision=fp16 or auto.")
     return torch.bfloat16
+
+
+def cuda_has_bf16(device: torch.device) -> bool:
+    """Whether the CUDA device multiplies bf16 on its tensor cores (compute capability 8+)."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

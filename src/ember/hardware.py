@@ -3,7 +3,8 @@ short name a user types (`--gpu H100`).
 
 Peaks are dense tensor-core FLOP/s in bf16 with fp32 accumulation, without 2:4 sparsity
 (NVIDIA's datasheets print the sparse figure, twice these, first). Cards without bf16
-(V100, RTX 2080 Ti) list fp16 with fp32 accumulation. GeForce cards list the fp32-accumulate
+(V100, RTX 2080 Ti; `bf16` false) list fp16 with fp32 accumulation, which ember's trainer
+runs with loss scaling. GeForce cards list the fp32-accumulate
 rate, half of their fp16-accumulate figure, because training accumulates in fp32.
 Memory is the nominal capacity on the datasheet; the driver reserves a little of it.
 
@@ -56,6 +57,7 @@ class GPU:
     attn_eff: float = 0.5
     hbm_eff: float = 0.8  # streaming kernels reach 80-90% of the datasheet bandwidth
     fp8: bool = False  # FP8 tensor cores at twice the bf16 rate (Hopper, Ada, Blackwell)
+    bf16: bool = True  # bf16 tensor cores (Ampere and later); without, training runs fp16 with loss scaling
     # Memory the device holds outside the training program: the CUDA context, cuBLAS and
     # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
     # group), which a calibration measures.
@@ -113,15 +115,19 @@ GPUS: tuple[GPU, ...] = (
         attn_eff=0.55, fp8=True),
     GPU("RTX 3090", 71e12, 24, r"rtx 3090$", hbm_gbps=936, sms=82, intra_gbps=16, matmul_eff=0.80,
         attn_eff=0.55),
-    GPU("RTX 2080 Ti", 56.9e12, 11, r"rtx 2080 ti$", hbm_gbps=616, sms=68, intra_gbps=10, attn_eff=0.35),
+    GPU("RTX 2080 Ti", 56.9e12, 11, r"rtx 2080 ti$", hbm_gbps=616, sms=68, intra_gbps=10, attn_eff=0.35,
+        bf16=False),
     # Volta, fp16 only: "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-32GB", "Tesla V100S-PCIE-32GB"
-    GPU("V100S PCIe 32GB", 130e12, 32, r"v100s", hbm_gbps=1134, sms=80, intra_gbps=12, attn_eff=0.35),
+    GPU("V100S PCIe 32GB", 130e12, 32, r"v100s", hbm_gbps=1134, sms=80, intra_gbps=12, attn_eff=0.35,
+        bf16=False),
     GPU("V100 SXM2 32GB", 125e12, 32, r"v100.*sxm.*32\s*gb", hbm_gbps=900, sms=80, intra_gbps=150,
-        inter_gbps=6.25, attn_eff=0.35),
+        inter_gbps=6.25, attn_eff=0.35, bf16=False),
     GPU("V100 SXM2 16GB", 125e12, 16, r"v100.*sxm", hbm_gbps=900, sms=80, intra_gbps=150, inter_gbps=6.25,
-        attn_eff=0.35),
-    GPU("V100 PCIe 32GB", 112e12, 32, r"v100.*32\s*gb", hbm_gbps=900, sms=80, intra_gbps=12, attn_eff=0.35),
-    GPU("V100 PCIe 16GB", 112e12, 16, r"v100", hbm_gbps=900, sms=80, intra_gbps=12, attn_eff=0.35),
+        attn_eff=0.35, bf16=False),
+    GPU("V100 PCIe 32GB", 112e12, 32, r"v100.*32\s*gb", hbm_gbps=900, sms=80, intra_gbps=12, attn_eff=0.35,
+        bf16=False),
+    GPU("V100 PCIe 16GB", 112e12, 16, r"v100", hbm_gbps=900, sms=80, intra_gbps=12, attn_eff=0.35,
+        bf16=False),
 )
 
 # Short names users type; SXM is what clusters are built from, so a bare "H100" means SXM.

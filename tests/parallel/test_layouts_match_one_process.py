@@ -22,15 +22,15 @@ LR = 1e-3
 WORKER = REPO / "tests/parallel/worker.py"
 
 
-def launch(nproc, layouts, dataset, out):
-    spec = {"recipe": RECIPE, "common": COMMON, "lr": LR, "steps": STEPS, "objectives": list(OBJECTIVES),
+def launch(nproc, layouts, dataset, out, common=COMMON, worker=WORKER, objectives=OBJECTIVES):
+    spec = {"recipe": RECIPE, "common": common, "lr": LR, "steps": STEPS, "objectives": list(objectives),
             "layouts": layouts}
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO / "src"),
                                                                             os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), str(dataset), str(out), str(out / "spec.json")]
+           str(worker), str(dataset), str(out), str(out / "spec.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:  # the first rank's traceback is the cause; the others only lost a peer
         first = max(done.stderr.find("Traceback"), 0)

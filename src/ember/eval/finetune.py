@@ -31,6 +31,7 @@ from torch import nn
 from ember.eval.encode import equal_length_batches, steps_per_epoch, train_batches
 from ember.model import Transformer
 from ember.device import autocast
+from ember.train.loss_scale import LossScaler
 
 
 POOLING = ("auto", "mean")
@@ -128,6 +129,7 @@ def finetune(model: Classifier, rows: list[list[int]], labels: list, regression:
     `on_epoch(epoch, summed loss on the device, steps)` follows each epoch."""
     model.to(device).train()
     optimizer = make_optimizer([q for q in model.parameters() if q.requires_grad], p, device)
+    scaler = LossScaler(device, amp_dtype == torch.float16)
     rng = np.random.default_rng(seed)
     target = torch.tensor(labels, dtype=torch.float32 if regression else torch.long)
     ids_all, lengths = padded_array(rows, pad_id)
@@ -145,8 +147,9 @@ def finetune(model: Classifier, rows: list[list[int]], labels: list, regression:
             with autocast(device, amp_dtype):
                 out = model(ids, lens).float()
             loss = F.mse_loss(out.squeeze(-1), y) if regression else F.cross_entropy(out, y)
-            loss.backward()
-            optimizer.step()
+            (loss * scaler.factor()).backward()
+            scaler.unscale([optimizer])
+            scaler.step([optimizer])
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
             on_step(step, loss.detach())

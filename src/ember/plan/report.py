@@ -28,7 +28,8 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
         parts += ["--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR", "--master-port=29500"]
     parts += ["-m", "ember", "train", recipe or "RECIPE.toml", "--data", "DATA_DIR", "--out", "RUN_DIR"]
     settings = dict(prediction.layout.settings(shape.global_batch))
-    settings["train.precision"] = shape.precision
+    # A GPU without bf16 tensor cores multiplies 2-byte operands in fp16, at the same rate.
+    settings["train.precision"] = "fp16" if shape.precision == "bf16" and not cluster.gpu.bf16 else shape.precision
     settings["parallel.grad_dtype"] = cluster.stack.grad_dtype  # the gradient reduction it priced
     if recipe is None:
         for key in _MODEL_KEYS:

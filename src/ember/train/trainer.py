@@ -35,6 +35,7 @@ from ember.train import checkpoint
 from ember.train.breakdown import StepProfiler, profiled, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
 from ember.train.evaluation import Evaluator
+from ember.train.loss_scale import LossScaler
 from ember.train.inputs import Inputs, Prefetcher
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
 from ember.train.model_file import save_model
@@ -95,6 +96,7 @@ class Trainer:
         self.engine = build_engine(cfg, self.parallel, model, self.topo, self.device, self.amp_dtype,
                                    lambda module: build_optimizer(module, cfg.optim, self.device))
         self.model, self.optimizer = self.engine.parts[0], self.engine.optimizers[0]
+        self.scaler = LossScaler(self.device, self.amp_dtype == torch.float16, all_ranks=self.world > 1)
         self.timer = self.engine.timer = PhaseTimer(self.device)
         self.profiler = StepProfiler(self.device)
         self.dp_rank, self.dp_size = self.topo.coordinate("dp"), self.topo.size("dp")
@@ -127,20 +129,24 @@ class Trainer:
         # Normalise by the targets of the whole global batch, so that accumulation and data
         # parallelism equal one big batch on one device; summed on the host (gloo).
         count = int(self.topo.all_reduce(torch.tensor([batch.count], dtype=torch.int64), ("dp",)))
+        # In fp16 the loss is scaled up too (a device tensor), and the gradients back down.
         with self.timer.phase("forward_backward"):
-            loss_sum = self.engine.forward_backward(batch.inputs, batch.labels, 1.0 / count,
+            loss_sum = self.engine.forward_backward(batch.inputs, batch.labels, self.scaler.factor() / count,
                                                     document_ids=batch.document_ids, positions=batch.positions)
         with self.timer.phase("optimizer"):
+            self.scaler.unscale(self.engine.optimizers)
             clip = self.cfg.optim.clip
             norm = self.engine.clip_grad_norm(clip if clip > 0 else float("inf"))
+            self.scaler.step(self.engine.optimizers)  # skipped on every rank if a gradient overflowed
             for optimizer in self.engine.optimizers:
-                optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         loss_sum = self.topo.all_reduce(loss_sum, ("dp", "pp"))
         return loss_sum / count, norm, count  # tensors: read only when logged
 
     def save(self, progress: Progress) -> None:
         state = {"progress": asdict(progress), "data": self.train_data.state_dict(), "budget": str(self.budget)}
+        if self.scaler.enabled:
+            state["loss_scale"] = self.scaler.state_dict()
         self.checkpointer.save(self.run_dir, progress.step, self.engine.parts, self.engine.optimizers, state,
                                keep=self.cfg.train.keep_checkpoints, layout=self.layout())
 
@@ -153,6 +159,7 @@ class Trainer:
             state = checkpoint.load(self.resume_from, self.engine.parts, self.engine.optimizers, self.layout())
             progress = Progress(**state["progress"])
             self.train_data.load_state_dict(state["data"])
+            self.scaler.load_state_dict(state.get("loss_scale"))
         if self.topo.is_main:
             self._write_run_files()
         resume_step = progress.step if self.resume_from is not None else None
@@ -208,7 +215,8 @@ class Trainer:
             if logged:
                 self.last_loss = float(loss)
                 record = {"step": progress.step, "tokens": progress.tokens, "elapsed_s": round(progress.elapsed_s, 3),
-                          "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm), **throughput.read()}
+                          "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm), **throughput.read(),
+                          **self.scaler.log()}
                 log.write(record | self.timer.read() | reduce_over_ranks(self.profiler.read(), self.topo))
                 bar.update(progress.fraction(self.budget), _bar_stats(record))
             if self.evaluate.due(progress):
@@ -251,6 +259,7 @@ class Trainer:
             setattr(progress, key, value)
         progress.elapsed_s = elapsed
         self.train_data.load_state_dict(state["data"])
+        self.scaler.load_state_dict(state.get("loss_scale"))
         skipped = spike.data_position - self.train_data.position
         self.train_data.position = spike.data_position
         self.guard.rolled_back()
