@@ -115,3 +115,26 @@ def test_the_step_path_reads_nothing_back_from_the_device(monkeypatch):
              on_epoch=lambda epoch, loss_sum, steps: epochs.append((epoch, loss_sum, steps)))
     monkeypatch.undo()
     assert [(e, s) for e, _, s in epochs] == [(0, 5), (1, 5)] and all(float(x) > 0 for _, x, _ in epochs)
+
+
+def test_fine_tuning_in_fp16_scales_the_loss_and_follows_fp32():
+    """fp16 autocast (GPUs without bf16): the backward pass sees the loss times 2^16, so
+    small gradients survive fp16, and the losses are fp32's to fp16's rounding."""
+    from ember.eval.finetune import finetune
+
+    rows = [[1] + [5 + (i * j) % 40 for j in range(3 + i % 7)] for i in range(40)]
+    labels = [i % 3 for i in range(40)]
+    losses, first_grads = {}, {}
+    for name, dtype in (("fp32", None), ("fp16", torch.float16)):
+        model = _classifier("mlm").train()
+        start = [p.detach().clone() for p in model.parameters()]
+        seen = []  # each gradient as backward leaves it, before the optimizer's step
+        model.out.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.norm().item()))
+        steps = []
+        finetune(model, rows, labels, False, 0, 0, Protocol(epochs=2, batch_size=8), torch.device("cpu"), dtype,
+                 on_step=lambda step, loss: steps.append(float(loss)))
+        assert any(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
+        losses[name], first_grads[name] = steps, seen[0]
+    assert first_grads["fp16"] / first_grads["fp32"] == pytest.approx(2.0**16, rel=1e-2)
+    assert losses["fp16"] == pytest.approx(losses["fp32"], rel=2e-2)
+    assert losses["fp16"] != losses["fp32"]

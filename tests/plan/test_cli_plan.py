@@ -142,3 +142,15 @@ def test_fsdp_without_compile_is_a_stack_of_its_own(capsys):
     assert speeds["fsdp-eager"] < 0.93 * speeds["fsdp"]
     assert main(args + ["--stack", "torchtitan"]) == 2
     assert "fsdp-eager" in capsys.readouterr().err
+
+
+def test_the_command_for_a_gpu_without_bf16_trains_in_fp16(capsys):
+    """A V100 multiplies 2-byte operands in fp16 only: the plan prices them, and its command
+    asks the trainer for fp16 (loss scaling), not bf16 (which the trainer refuses there)."""
+    args = ["plan", "--model", "gpt2-small", "--gpus", "8", "--seq-len", "1024", "--global-batch", "64", "--json"]
+    commands = {}
+    for gpu in ("V100", "A100-80GB"):
+        assert main(args + ["--gpu", gpu]) == 0
+        commands[gpu] = json.loads(capsys.readouterr().out)["best"]["command"]
+    assert "train.precision=fp16" in commands["V100"]
+    assert "train.precision=bf16" in commands["A100-80GB"]

@@ -5,7 +5,8 @@ host until the GPU has caught up, so the CPU can no longer prepare the next step
 this one runs. A CPU has no such wait to observe, so these tests watch for the operators
 that cause it, inside the engine's forward/backward and gradient clipping of real steps.
 (The optimizer is left out: ember uses the fused AdamW on CUDA, which keeps its step
-counters on the device; the CPU's AdamW reads them on the host.)
+counters on the device and, in fp16, skips an overflowed step on the device too; the CPU's
+AdamW reads them on the host.)
 """
 
 import pytest
@@ -53,6 +54,7 @@ def _syncs_in_steps(dataset, run_dir, *overrides, positions: bool = True) -> lis
         engine.forward_backward = lambda *a, positions=None, **k: forward_backward(*a, **k)
     engine.forward_backward = _watched(engine.forward_backward, watch)
     engine.clip_grad_norm = _watched(engine.clip_grad_norm, watch)
+    trainer.scaler.unscale = _watched(trainer.scaler.unscale, watch)  # fp16: unscale and check, on the device
     for _ in range(2):
         trainer.train_step(8, lr=1e-3)
     trainer.release()
@@ -63,7 +65,8 @@ def _syncs_in_steps(dataset, run_dir, *overrides, positions: bool = True) -> lis
     ("model.objective=mlm", "model.sparse_prediction=true", "train.micro_batch=4"),
     ("model.objective=mlm", "model.sparse_prediction=false"),
     ("model.objective=causal", "optim.clip=1.0"),
-], ids=["sparse-mlm", "dense-mlm", "causal"])
+    ("model.objective=causal", "optim.clip=1.0", "train.precision=fp16"),
+], ids=["sparse-mlm", "dense-mlm", "causal", "causal-fp16"])
 def test_no_host_sync_in_the_device_part_of_a_step(dataset, tmp_path, overrides):
     assert _syncs_in_steps(dataset, tmp_path / "run", *overrides) == []
 

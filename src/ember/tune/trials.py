@@ -41,7 +41,9 @@ def plan_inputs(config: Config, manifest: dict, name: str, device=None) -> tuple
     """The planner's model and training shape for a recipe trained on prepared data: the data
     fixes the sequence length, and the vocabulary where the recipe leaves it to the data; the
     recipe's precision on `device` (default: the one it would train on) fixes the element
-    size (fp32 without autocast, as on a CPU; bf16 otherwise)."""
+    size (fp32 without autocast, as on a CPU; fp16 or bf16 otherwise, priced alike)."""
+    import torch
+
     from ember.device import autocast_dtype, pick_device
 
     model = config.model
@@ -49,7 +51,8 @@ def plan_inputs(config: Config, manifest: dict, name: str, device=None) -> tuple
         model = dataclasses.replace(model, vocab_size=int(manifest["vocab_size"]))
     spec = from_config(model, name, config.data.mlm_rate)
     device = pick_device(config.train.device) if device is None else device
-    precision = "fp32" if autocast_dtype(config.train.precision, device) is None else "bf16"
+    dtype = autocast_dtype(config.train.precision, device)
+    precision = "fp32" if dtype is None else "fp16" if dtype == torch.float16 else "bf16"
     return spec, TrainShape(int(manifest["seq_len"]), config.train.global_batch, precision)
 
 
