@@ -45,7 +45,8 @@ def main() -> None:
     results = []
     for layout in spec["layouts"]:
         for objective in spec["objectives"]:
-            settings = spec["common"] + [f"model.objective={objective}"] + [f"{k}={v}" for k, v in layout["set"].items()]
+            settings = (spec["common"] + [f"model.objective={objective}"]
+                        + [f"{k}={v}" for k, v in layout["set"].items()])
             trainer = Trainer(load_config(spec["recipe"], settings), data, out / f"{layout['name']}-{objective}",
                               progress=False)
             trainer.build()
