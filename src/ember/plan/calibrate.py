@@ -39,6 +39,7 @@ from ember.atomic import write_text
 from ember.config import ConfigError
 from ember.process import end_process_group
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
 MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
                 ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
@@ -309,11 +310,14 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         raise ConfigError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}.")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
-    if dtype not in ("bf16", "fp32"):
-        raise ConfigError(f"--dtype must be bf16 or fp32, not {dtype!r}.")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if dtype is None:  # what the trainer would compute in here (ember.device.autocast_dtype)
+        from ember.device import cuda_has_bf16
+
+        dtype = "fp32" if device.type != "cuda" else "bf16" if cuda_has_bf16(device) else "fp16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}.")
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -321,7 +325,7 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
 
     idle = resident_bytes()  # before any measurement's tensors: what an idle training process holds
     try:
-        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        torch_dtype = DTYPES[dtype]
         quick_min = MIN_TIME[quick]
         matmuls = measure_matmuls(device, torch_dtype, MATMUL_SIZES[(device.type, quick)], quick_min)
         copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)

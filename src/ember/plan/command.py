@@ -55,8 +55,9 @@ def register_plan(verbs, measure_tp_block=None) -> None:
         description="Measure matmul and attention throughput, memory bandwidth and (under torchrun) collective "
                     "bandwidth, and write a profile for `ember plan --profile` and `ember tune` (docs/tuning.md).")
     calibrate.add_argument("--out", required=True, help="profile file to write (JSON)")
-    calibrate.add_argument("--dtype", choices=("bf16", "fp32"),
-                           help="matmul precision (default bf16 on GPUs, fp32 on CPUs)")
+    calibrate.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                           help="matmul precision (default: what training uses here: bf16 on GPUs that have it, "
+                                "fp16 on older ones, fp32 on CPUs)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings")
     calibrate.set_defaults(func=run_calibrate, measure_tp_block=measure_tp_block)
 
