@@ -107,6 +107,13 @@ GPUS: tuple[GPU, ...] = (
     GPU("L40S", 362e12, 48, r"\bl40s\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
     GPU("L40", 181e12, 48, r"\bl40\b", hbm_gbps=864, sms=142, attn_eff=0.55, fp8=True, **_PCIE4),
     GPU("L4", 121e12, 24, r"\bl4\b", hbm_gbps=300, sms=58, attn_eff=0.55, fp8=True, **_PCIE4),
+    # Ampere workstation cards (Cramming's A4000 and A6000): "NVIDIA RTX A6000"; and the A40.
+    GPU("RTX A6000", 154.8e12, 48, r"rtx a6000", hbm_gbps=768, sms=84, attn_eff=0.55, **_PCIE4),
+    GPU("RTX A5000", 111.1e12, 24, r"rtx a5000", hbm_gbps=768, sms=64, attn_eff=0.55, **_PCIE4),
+    GPU("RTX A4000", 76.7e12, 16, r"rtx a4000", hbm_gbps=448, sms=48, attn_eff=0.55, **_PCIE4),
+    GPU("A40", 149.7e12, 48, r"\ba40\b", hbm_gbps=696, sms=84, attn_eff=0.55, **_PCIE4),
+    # Turing, fp16 only (Colab's and many clouds' small GPU): "Tesla T4", 70 W.
+    GPU("T4", 65e12, 16, r"\bt4\b", hbm_gbps=320, sms=40, attn_eff=0.35, bf16=False, **_PCIE4),
     # AWS's A10G trades tensor throughput for shader throughput: 70 TFLOP/s against the A10's 125.
     GPU("A10G", 70e12, 24, r"\ba10g\b", hbm_gbps=600, sms=80, attn_eff=0.55, **_PCIE4),
     GPU("A10", 125e12, 24, r"\ba10\b", hbm_gbps=600, sms=72, attn_eff=0.55, **_PCIE4),
@@ -137,6 +144,7 @@ _ALIASES = {
     "h100": "H100 SXM", "h10080gb": "H100 SXM", "h800": "H800 SXM", "h80080gb": "H800 SXM",
     "h200": "H200 SXM", "h200141gb": "H200 SXM",
     "4090": "RTX 4090", "2080ti": "RTX 2080 Ti", "3090": "RTX 3090", "b200": "B200", "gb200": "GB200",
+    "a6000": "RTX A6000", "a5000": "RTX A5000", "a4000": "RTX A4000",
     # A bare "V100" in a training paper is a DGX's SXM2 part (DGX-1 16 GB, DGX-2 32 GB).
     "v100": "V100 SXM2 32GB", "v10032gb": "V100 SXM2 32GB", "v10016gb": "V100 SXM2 16GB",
 }

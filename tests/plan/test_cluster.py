@@ -6,14 +6,15 @@ import pytest
 
 from ember.config import ConfigError
 from ember.plan.cluster import make_cluster, read_profile
-from ember.hardware import GPUS, gpu_by_name
+from ember.hardware import GPUS, find_gpu, gpu_by_name
 
 
 @pytest.mark.parametrize("typed,name", [
     ("A100-40GB", "A100 SXM4 40GB"), ("A100-80GB", "A100 SXM4 80GB"), ("a100", "A100 SXM4 80GB"),
     ("A800", "A800 SXM4 80GB"), ("H100", "H100 SXM"), ("h800", "H800 SXM"), ("H200", "H200 SXM"),
     ("L4", "L4"), ("RTX 4090", "RTX 4090"), ("rtx-2080-ti", "RTX 2080 Ti"), ("H100 PCIe", "H100 PCIe"),
-    ("V100", "V100 SXM2 32GB"), ("V100-16GB", "V100 SXM2 16GB"),
+    ("V100", "V100 SXM2 32GB"), ("V100-16GB", "V100 SXM2 16GB"), ("A6000", "RTX A6000"),
+    ("rtx a4000", "RTX A4000"), ("T4", "T4"), ("A40", "A40"),
 ])
 def test_short_names(typed, name):
     assert gpu_by_name(typed).name == name
@@ -22,6 +23,20 @@ def test_short_names(typed, name):
 @pytest.mark.parametrize("typed", ["B300", "", "H20", "4080"])
 def test_unknown_names(typed):
     assert gpu_by_name(typed) is None
+
+
+@pytest.mark.parametrize("reported,name", [
+    ("NVIDIA RTX A6000", "RTX A6000"), ("NVIDIA RTX A4000", "RTX A4000"), ("NVIDIA A40", "A40"),
+    ("Tesla T4", "T4"), ("NVIDIA A100-SXM4-40GB", "A100 SXM4 40GB"), ("Tesla V100-SXM2-16GB", "V100 SXM2 16GB"),
+])
+def test_names_devices_report(reported, name):
+    """What torch.cuda.get_device_name says: the trainer's MFU and the calibration read it."""
+    assert find_gpu(reported).name == name
+
+
+def test_only_pre_ampere_cards_lack_bf16():
+    assert {gpu.name for gpu in GPUS if not gpu.bf16} == {"T4", "RTX 2080 Ti", "V100S PCIe 32GB", "V100 SXM2 32GB",
+                                                          "V100 SXM2 16GB", "V100 PCIe 32GB", "V100 PCIe 16GB"}
 
 
 def test_planner_fields_are_sane():

@@ -181,7 +181,8 @@ class Cluster:
 def _known_gpu(name: str) -> GPU:
     gpu = gpu_by_name(name)
     if gpu is None:
-        names = "V100, A100-40GB, A100-80GB, A800, H100, H800, H200, B200, GB200, L4, RTX 4090, RTX 2080 Ti"
+        names = ("V100, T4, A100-40GB, A100-80GB, A800, H100, H800, H200, B200, GB200, L4, RTX 4090, "
+                 "RTX 2080 Ti, A6000")
         raise ConfigError(f"unknown GPU {name!r}; use one of {names} (or any of the {len(GPUS)} table "
                           "names), or describe it in a --profile file.")
     return gpu

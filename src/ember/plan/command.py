@@ -27,8 +27,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--model", help="a recipe .toml or a preset (gpt3-175b, llama3-8b, ...)")
     plan.add_argument("--gpu", nargs="+",
-                      help="GPU type: V100, A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, "
-                           "RTX 2080 Ti, ...")
+                      help="GPU type: V100, T4, A100-40GB, A100-80GB, A800, H100, H800, H200, L4, RTX 4090, "
+                           "RTX 2080 Ti, A6000, ...")
     plan.add_argument("--gpus", type=int, help="number of GPUs")
     plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or the profile's)")
     plan.add_argument("--intra-bw", type=float, metavar="GB/s", help="per-GPU link inside a node, one direction")
