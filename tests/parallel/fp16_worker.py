@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from ember.config import load_config
 from ember.parallel.dtensor import local_tensor
-from ember.process import end_process_group, leave
+from ember.process import leave
 from ember.train.trainer import Trainer
+from worker import finish
 
 
 def overflow_on_rank_1(trainer: Trainer) -> dict:
@@ -57,9 +58,7 @@ def main() -> None:
                 result["overflow_step"] = overflow_on_rank_1(trainer)
             results.append(result)
             trainer.release()
-    if dist.get_rank() == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    end_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":

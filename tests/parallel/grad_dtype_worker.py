@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ember.config import load_config
 from ember.parallel.dtensor import local_tensor
-from ember.process import end_process_group, leave
+from ember.process import leave
 from ember.train.trainer import Trainer
+from worker import finish
 
 
 def bf16_valued(params) -> bool:
@@ -41,9 +41,7 @@ def main() -> None:
     data, out, spec_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     spec = json.loads(spec_path.read_text())
     results = [run_layout(data, out, spec, layout) for layout in spec["layouts"]]
-    if dist.get_rank() == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    end_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def main() -> None:
     for layout in spec["layouts"]:
         for objective in spec["objectives"]:
             results.append(run_layout(data, out, spec, layout, objective))
+    finish(results, out)
+
+
+def finish(results: list[dict], out: Path) -> None:
+    """Rank 0 writes the launch's results; then every rank leaves the process group."""
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     end_process_group()
