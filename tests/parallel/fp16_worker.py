@@ -34,10 +34,20 @@ def overflow_on_rank_1(trainer: Trainer) -> dict:
     trainer.train_step(trainer.cfg.train.global_batch, lr=1e-3)
     after = [local_tensor(p).detach() for part in trainer.engine.parts for p in part.parameters()]
     mine = {"unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "fused": all(o.defaults["fused"] for o in trainer.engine.optimizers),
             "scale_ratio": float(trainer.scaler.scale) / scale, "skipped": trainer.scaler.log()["skipped_steps"]}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
+
+
+def fused_adamw_as_on_cuda() -> None:
+    """Build the fused AdamW ember builds on CUDA (PyTorch has it on CPUs too), so that the
+    overflow step goes the GPU's way: the skip decided on the device, with DTensor shards."""
+    import ember.train.trainer as trainer_module
+    from ember.train.setup import build_optimizer
+
+    trainer_module.build_optimizer = lambda model, cfg, device: build_optimizer(model, cfg, torch.device("cuda"))
 
 
 def main() -> None:
@@ -48,6 +58,8 @@ def main() -> None:
         for objective in spec["objectives"]:
             settings = (spec["common"] + [f"model.objective={objective}"]
                         + [f"{k}={v}" for k, v in layout["set"].items()])
+            if layout is spec["layouts"][-1]:
+                fused_adamw_as_on_cuda()
             trainer = Trainer(load_config(spec["recipe"], settings), data, out / f"{layout['name']}-{objective}",
                               progress=False)
             trainer.build()

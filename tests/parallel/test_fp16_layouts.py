@@ -26,4 +26,5 @@ def test_fp16_layouts_train_as_one_process_and_skip_together(dataset, tmp_path, 
     for r in results:
         assert r["loss"] == pytest.approx(one, rel=5e-3), r["name"]
     every = results[-1]["overflow_step"]
-    assert every == [{"unchanged": True, "scale_ratio": 0.5, "skipped": 1}] * 2
+    # With the fused AdamW of CUDA runs: the skip is decided on the device, on DTensor shards.
+    assert every == [{"unchanged": True, "fused": True, "scale_ratio": 0.5, "skipped": 1}] * 2
