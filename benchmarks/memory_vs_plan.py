@@ -40,6 +40,7 @@ LAYOUTS = {
     "tp2-sp-selective": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.recompute=selective"]),
     "pp2": (2, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp2xzero3x2": (4, ["parallel.pp=2", "parallel.zero=3"]),
 }
 
 
@@ -138,7 +139,7 @@ def main() -> None:
             measured = run(args, data, name, nproc, common + sets, Path(tmp) / name)
             predicted = prediction(name, nproc, common + sets)
             for m in measured:
-                stage = 0 if "parallel.pp=2" not in sets else _pp_rank(m["rank"], sets)
+                stage = 0 if "parallel.pp=2" not in sets else m["rank"] // (nproc // 2)  # pp is outermost
                 p = predicted[stage]
                 rows.append({"layout": name, "rank": m["rank"], "measured_gib": m["peak_rise"] / GIB,
                              "predicted_gib": p["total"] / GIB, "ratio": m["peak_rise"] / p["total"],
@@ -157,11 +158,6 @@ def main() -> None:
     results = REPO / "benchmarks/results"
     (results / f"{stamp}.txt").write_text(text)
     (results / f"{stamp}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-
-
-def _pp_rank(rank: int, sets: list[str]) -> int:
-    tp = 2 if "parallel.tp=2" in sets else 1
-    return rank // tp  # the mesh is (pp, dp_replicate, dp_shard, tp): tp is innermost
 
 
 def _line(r: dict) -> str:

@@ -213,6 +213,31 @@ def test_fsdp_gradients_are_reduced_block_by_block():
     assert one_zero2.buffers - mem(2, 8, Stack(per_block_grads=False)).buffers == pytest.approx(in_flight_grads)
 
 
+def test_an_fsdp_pipeline_stage_reduces_once_a_step():
+    """torch.distributed.pipelining neither reshards nor reduces an FSDP stage between its
+    micro-batches' backward passes (PipelineStage.backward_maybe_with_nosync): the stage's
+    gradients accumulate whole and ZeRO-3's weights stay gathered once its first backward ran.
+    Measured with ember's trainer (benchmarks/memory_vs_plan.py, pp2 x ZeRO-3 x 2, fp32 on
+    this CPU): 4.15-4.50 GiB against 3.37-3.54 predicted before this was priced. Megatron-LM's
+    own pipeline is not FSDP and keeps its shards."""
+    from ember.plan.memory import stage_params
+
+    model, shape = PRESETS["llama2-7b"], TrainShape(4096, 16)
+    fsdp, megatron = Stack(), Stack(per_block_grads=False)
+
+    def mem(zero, stack, pp=2):
+        layout = Layout(pp=pp, dp_shard=4, zero=zero, micro_batch=1)
+        return stage_memory(model, layout, shape, 0, 4, "flash", 80 * 2**30, stack=stack)
+
+    params = stage_params(model, Layout(pp=2, dp_shard=4, zero=3, micro_batch=1), 0)
+    for zero in (1, 2, 3):
+        assert mem(zero, fsdp).grads == pytest.approx(params * 4)  # whole, until the step's reduction
+    assert mem(3, fsdp).weights == pytest.approx(params * 2)  # gathered (bf16); the shards are fp32 masters
+    assert mem(2, megatron).grads == pytest.approx(params * 4 / 4)
+    assert mem(3, megatron).weights == pytest.approx(params * 2 / 4)
+    assert mem(3, fsdp, pp=1).weights == pytest.approx(total_params(model) * 2 / 4)  # no pipeline: resharded
+
+
 @pytest.mark.parametrize("tp,sp,expected_over_h", [
     # Llama-shaped (gated, grouped kv): input 2h; q 2h, v 2kv, gate 2f, down 2h of the seven
     # matmuls (q, k, v, o, gate, up, down); attention output 2h and its log-sum-exp.

@@ -253,10 +253,19 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     width = 2 if fp32 else 1  # activations are counted in 2-byte elements
     grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
+    # torch.distributed.pipelining runs every micro-batch's backward through an FSDP-wrapped
+    # stage without resharding or reducing (PipelineStage.backward_maybe_with_nosync) and
+    # reduces once after the last (perform_reduce_grad): until then the stage's gradients
+    # accumulate whole, and the weights its first backward gathered stay gathered (beside
+    # their shards, which are the fp32 masters in mixed precision). ember's pipeline and
+    # torchtitan's run so.
+    deferred = layout.pp > 1 and layout.zero >= 1 and stack.per_block_grads
     weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
+    if deferred and layout.zero >= 3:
+        weights = params * (4 * (1 + 1 / shard) if fp32 else WEIGHT_BYTES)
     # ZeRO-1 on an FSDP stack reduce-scatters at the step's last micro-batch: with only one,
     # the full gradients never exist at once.
-    sharded_grads = layout.zero >= 2 or (layout.zero == 1 and m == 1 and stack.per_block_grads)
+    sharded_grads = not deferred and (layout.zero >= 2 or (layout.zero == 1 and m == 1 and stack.per_block_grads))
     grads = params * grad_bytes / (shard if sharded_grads else 1)
     optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
@@ -304,11 +313,11 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         step = 2 * 4 * largest / (shard if layout.zero >= 3 else 1)
         transient = max(transient, step - acts - logits)
     comm = BUCKET_BYTES if layout.dp * layout.cp > 1 else 0.0
-    if layout.zero in (1, 2) and shard > 1 and stack.per_block_grads:
+    if layout.zero in (1, 2) and shard > 1 and stack.per_block_grads and not deferred:
         # Each block's gradients are made whole and reduce-scattered while the next block's
         # backward runs: two blocks' unsharded gradients at once.
         comm += 2 * layer_params(model) / t * grad_bytes
-    if layout.zero >= 3:
+    if layout.zero >= 3 and not deferred:
         # Gathered weights and gradients: the current layer and the next (prefetched), or the
         # current layer and the embedding or output layer, FSDP groups of their own.
         layer = layer_params(model) / t
