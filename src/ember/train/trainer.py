@@ -35,8 +35,8 @@ from ember.train import checkpoint
 from ember.train.breakdown import StepProfiler, profiled, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
 from ember.train.evaluation import Evaluator
-from ember.train.loss_scale import LossScaler
 from ember.train.inputs import Inputs, Prefetcher
+from ember.train.loss_scale import LossScaler
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
 from ember.train.model_file import save_model
 from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
