@@ -85,6 +85,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16
 
 
+def precision_name(dtype: torch.dtype | None) -> str:
+    """The name of an `autocast_dtype` result: "fp32" (no autocast), "fp16" or "bf16"."""
+    return {None: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
+
+
 def cuda_has_bf16(device: torch.device) -> bool:
     """Whether the CUDA device multiplies bf16 on its tensor cores (compute capability 8+)."""
     return torch.cuda.get_device_capability(device)[0] >= 8

@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, TINY
 from ember.config import load_config
-from ember.device import autocast_dtype
+from ember.device import autocast_dtype, precision_name
 from ember.train import loss_scale, trainer as trainer_module
 from ember.train.loss_scale import LossScaler
 from ember.train.trainer import Trainer
@@ -74,8 +74,10 @@ def test_auto_precision_is_fp16_on_a_gpu_without_bf16(monkeypatch):
     from ember.config import ConfigError
     with pytest.raises(ConfigError, match="V100.*fp16"):
         autocast_dtype("bf16", cuda)
+    assert precision_name(autocast_dtype("auto", cuda)) == "fp16"  # what calibration measures and tune prices
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert autocast_dtype("auto", cuda) == torch.bfloat16
+    assert [precision_name(autocast_dtype(p, torch.device("cpu"))) for p in ("auto", "bf16")] == ["fp32", "bf16"]
 
 
 def _losses(dataset, run_dir, precision, steps=4):

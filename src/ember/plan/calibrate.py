@@ -312,10 +312,10 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if dtype is None:  # what the trainer would compute in here (ember.device.autocast_dtype)
-        from ember.device import cuda_has_bf16
+    if dtype is None:  # what the trainer would compute in here
+        from ember.device import autocast_dtype, precision_name
 
-        dtype = "fp32" if device.type != "cuda" else "bf16" if cuda_has_bf16(device) else "fp16"
+        dtype = precision_name(autocast_dtype("auto", device))
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}.")
     started = world > 1 and not dist.is_initialized()

@@ -42,17 +42,14 @@ def plan_inputs(config: Config, manifest: dict, name: str, device=None) -> tuple
     fixes the sequence length, and the vocabulary where the recipe leaves it to the data; the
     recipe's precision on `device` (default: the one it would train on) fixes the element
     size (fp32 without autocast, as on a CPU; fp16 or bf16 otherwise, priced alike)."""
-    import torch
-
-    from ember.device import autocast_dtype, pick_device
+    from ember.device import autocast_dtype, pick_device, precision_name
 
     model = config.model
     if model.vocab_size <= 0:
         model = dataclasses.replace(model, vocab_size=int(manifest["vocab_size"]))
     spec = from_config(model, name, config.data.mlm_rate)
     device = pick_device(config.train.device) if device is None else device
-    dtype = autocast_dtype(config.train.precision, device)
-    precision = "fp32" if dtype is None else "fp16" if dtype == torch.float16 else "bf16"
+    precision = precision_name(autocast_dtype(config.train.precision, device))
     return spec, TrainShape(int(manifest["seq_len"]), config.train.global_batch, precision)
 
 
