@@ -41,7 +41,7 @@ MODEL = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.mlp_hidde
          "train.device=cpu", "train.precision=fp32", "train.compile=false", "train.global_batch=16"]
 
 # name -> (processes, settings). DDP, ZeRO-1/2/3, tensor and pipeline parallelism with two
-# schedules, recomputation, and their mixes over 1-4 processes.
+# schedules, recomputation, and their mixes over 1-4 processes (FSDP under a pipeline too).
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, ["train.micro_batch=16"]),
     "single-accum4": (1, ["train.micro_batch=4"]),
@@ -54,6 +54,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["train.micro_batch=16", "parallel.tp=2"]),
     "pp2-1f1b": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp2-gpipe": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=gpipe"]),
+    "pp2-zero1x2": (4, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]),
+    "pp2-zero3x2": (4, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=3"]),
     "ddp4": (4, ["train.micro_batch=4", "parallel.zero=0", "parallel.dp_replicate=4", "parallel.dp_shard=1"]),
     "tp2-zero1x2": (4, ["train.micro_batch=8", "parallel.tp=2", "parallel.zero=1"]),
 }

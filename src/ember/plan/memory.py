@@ -238,6 +238,16 @@ class Memory:
         return parts | ({"shared": -round(self.shared / GIB, 2)} if self.shared else {})
 
 
+def defers_reduction(layout: Layout, stack: Stack) -> bool:
+    """Whether FSDP's gradient reduction waits for the step's last micro-batch under a
+    pipeline: torch.distributed.pipelining runs every micro-batch's backward through an
+    FSDP-wrapped stage without resharding or reducing (PipelineStage.
+    backward_maybe_with_nosync) and reduces once a step, after the stage's last backward:
+    it calls FSDP's post-backward itself then (since 2024; since PyTorch 2.10 as an
+    action of the schedule, REDUCE_GRAD). ember's pipeline and torchtitan's run so."""
+    return layout.pp > 1 and layout.zero >= 1 and stack.per_block_grads
+
+
 def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_bytes: int,
                  attention: str, capacity: float, runtime: float = RUNTIME_BYTES,
                  stack: Stack = MEGATRON) -> Memory:
@@ -253,13 +263,10 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     width = 2 if fp32 else 1  # activations are counted in 2-byte elements
     grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
-    # torch.distributed.pipelining runs every micro-batch's backward through an FSDP-wrapped
-    # stage without resharding or reducing (PipelineStage.backward_maybe_with_nosync) and
-    # reduces once after the last (perform_reduce_grad): until then the stage's gradients
-    # accumulate whole, and the weights its first backward gathered stay gathered (beside
-    # their shards, which are the fp32 masters in mixed precision). ember's pipeline and
-    # torchtitan's run so.
-    deferred = layout.pp > 1 and layout.zero >= 1 and stack.per_block_grads
+    # Until the deferred reduction the stage's gradients accumulate whole, and the weights
+    # its first backward gathered stay gathered (beside their shards, which are the fp32
+    # masters in mixed precision).
+    deferred = defers_reduction(layout, stack)
     weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
     if deferred and layout.zero >= 3:
         weights = params * (4 * (1 + 1 / shard) if fp32 else WEIGHT_BYTES)

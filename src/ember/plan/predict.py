@@ -18,7 +18,9 @@ Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-
 reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
 gradients appear; ZeRO-3 also all-gathers weights before each forward and backward, one
 collective per sharded unit). Hybrid sharding adds an all-reduce of each shard over the
-replicas. What overlapping them with compute costs (contention, the exposed first gather
+replicas. Under a pipeline, FSDP reduces once a step, after the stage's last backward
+(memory.py: defers_reduction), where only the stages below it, which finish their last
+backwards later, leave it time to hide. What overlapping them with compute costs (contention, the exposed first gather
 and last bucket, what outlasts the compute) is plan/overlap.py's; stacks without overlap
 pay all of it.
 
@@ -41,6 +43,7 @@ from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import (
     GIB,
+    defers_reduction,
     Memory,
     holds,
     memory,
@@ -158,7 +161,8 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
         fwd, bwd = fwd + head_fwd, bwd + head_bwd
     # Accumulating this micro-batch's weight gradients: read and write the gradient buffer.
     accumulate = memory_s(stage_params(model, lo, stage) * 2 * gradient_bytes(stack, shape)
-                          / (lo.shard_ranks if lo.zero >= 2 else 1), gpu=cluster.gpu)
+                          / (lo.shard_ranks if lo.zero >= 2 and not defers_reduction(lo, stack) else 1),
+                          gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
@@ -240,20 +244,25 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     stand_in = pipeline_ranks(model, lo)  # ranks that cost the same are priced once
     stages = sorted(set(stand_in.values()))
     times, halves, parts, dp_exposed, optimizer = {}, {}, {}, 0.0, 0.0
+    passes = {i: _stage_work(model, cluster, shape, lo, i) for i in stages}
     for i in stages:
-        fwd, bwd = _stage_work(model, cluster, shape, lo, i)
+        fwd, bwd = passes[i]
         params = stage_params(model, lo, i)
         grads = params * grad_bytes
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
-        if lo.zero >= 3:  # gather weights for forward and backward, scatter gradients, every micro-batch
+        # Under a pipeline FSDP reduces once a step (`defers_reduction`), and keeps ZeRO-3's
+        # weights gathered over the micro-batches where the stack says so.
+        deferred = defers_reduction(lo, stack)
+        gathered = deferred and stack.pp_keeps_gathered
+        if lo.zero >= 3 and not gathered:  # gather weights for forward and backward, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
-            scatter = overlap.sharded_s(grads, units, shard, links)
+            scatter = 0.0 if deferred else overlap.sharded_s(grads, units, shard, links)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
-                      + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
+                      + overlap.hidden_cost(gather + scatter, bwd.compute, max(scatter, gather) / units,
                                             stack.overlap_param_gather and stack.overlap_grad_reduce))
-        elif lo.zero == 2:  # gradients reduce-scattered as they appear, every micro-batch
+        elif lo.zero == 2 and not deferred:  # gradients reduce-scattered as they appear, every micro-batch
             scatter = overlap.sharded_s(grads, buckets, shard, links)
             per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
@@ -262,14 +271,20 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
 
         if lo.zero == 0:  # over the replicas, and the cp ranks that hold the same weights
             reduce = comm.all_reduce_s(grads, rep, links) + comm.all_reduce_s(grads, shard, links)
-        elif lo.zero == 1:
+        elif lo.zero == 1 or deferred:
             reduce = (overlap.sharded_s(grads, buckets, shard, links)
                       + comm.all_reduce_s(grads / lo.shard_ranks, rep, links))
         else:
             reduce = comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
-        # The last micro-batch's backward hides the step's reduction, all but its last bucket.
-        reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
-        gather = overlap.sharded_s(params * weight_bytes, buckets, shard, links) if lo.zero in (1, 2) else 0.0
+        if deferred:
+            # Issued after the stage's last backward: nothing hides it but the stages
+            # below, whose last backwards finish after this stage's.
+            reduce = max(0.0, reduce - sum(passes[stand_in[j]][1].total for j in range(i)))
+        else:
+            # The last micro-batch's backward hides the step's reduction, all but its last bucket.
+            reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
+        once = lo.zero in (1, 2) or (lo.zero >= 3 and gathered)  # weights gathered once a step
+        gather = overlap.sharded_s(params * weight_bytes, buckets, shard, links) if once else 0.0
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
         local = params / (lo.shard_ranks if lo.zero >= 1 else 1)
