@@ -23,7 +23,7 @@ ERROR_PERCENTILES: dict[str, tuple[float, float]] = {
     "pipeline": (-0.068, 0.094),  # 737 rows
     "tensor": (-0.132, 0.121),  # 488 rows
     "zero3": (-0.091, 0.117),  # 211 rows
-    "fp8": (-0.074, 0.150),  # 48 rows, whatever their split
+    "fp8": (-0.074, 0.160),  # 48 rows, whatever their split
 }
 
 # Best model-FLOPs utilisation published for dense bf16 training at scale, by GPU class:
