@@ -70,6 +70,12 @@ def worker(data: str, out: str, sets: list[str], steps: int) -> None:
                for part in trainer.engine.parts for p in part.parameters())
     Path(out, f"rank{trainer.rank}.json").write_text(json.dumps(
         {"rank": trainer.rank, "peak_rise": rise, "params_bytes": held, "loss": float(loss)}))
+    if trainer.world > 1:
+        # Torn down by interpreter exit instead, gloo's threads can abort the process while
+        # they still hold work (SIGABRT, "terminate called without an active exception").
+        from ember.process import end_process_group
+
+        end_process_group()
 
 
 def prediction(name: str, world: int, sets: list[str]) -> list[dict]:

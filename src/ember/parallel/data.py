@@ -74,10 +74,16 @@ def _fsdp():
 
 def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: torch.device,
                         param_dtype: torch.dtype | None, alone: bool = False,
-                        reduce_dtype: torch.dtype = torch.float32) -> DataParallel | None:
+                        reduce_dtype: torch.dtype = torch.float32, pipelined: bool = False) -> DataParallel | None:
     """Wrap `module` in place for the run's data-parallel layout; None when dp is 1, unless
     `alone` asks for the wrappers over one rank anyway (to measure their own cost).
-    Gradients are reduced in `reduce_dtype` (fp32 or bf16) and kept in fp32."""
+    Gradients are reduced in `reduce_dtype` (fp32 or bf16) and kept in fp32.
+
+    `pipelined`: `module` is a pipeline stage. PyTorch's schedules run its backwards
+    without resharding and reduce once a step, so the weights its first backward gathers
+    stay gathered anyway; ZeRO-3 then keeps them from the first forward on too (as
+    torchtitan does), instead of freeing them after every forward and gathering them again
+    for every pass of every micro-batch, which saves no peak memory."""
     dp = topo.size("dp")
     if dp == 1 and not alone:
         return None
@@ -92,7 +98,7 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
     fully_shard, MixedPrecisionPolicy = _fsdp()
     mesh = topo.mesh["dp_shard"] if topo.size("dp_replicate") == 1 else topo.mesh["dp_replicate", "dp_shard"]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    reshard = zero == 3
+    reshard = zero == 3 and not pipelined
     for _, block in blocks_of(module):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     embed, norm, head = (getattr(module, name, None) for name in ("embed", "norm", "head"))

@@ -135,7 +135,8 @@ class Wrapper:
             self._materialize(module, meta)
         reduce_dtype = torch.bfloat16 if p.grad_dtype == "bf16" else torch.float32
         self.data_parallel[id(module)] = apply_data_parallel(module, self.topo, p.zero, self.device,
-                                                             self.amp_dtype, reduce_dtype=reduce_dtype)
+                                                             self.amp_dtype, reduce_dtype=reduce_dtype,
+                                                             pipelined=p.pp > 1)
         self._materialize(module, meta and p.zero > 0)
         return module
 

@@ -132,10 +132,6 @@ class Stack:
     # GELU are single kernels even in eager PyTorch). False: eager PyTorch's composites, which
     # pass fp32 intermediates through memory (plan/timing.py: eager_elementwise).
     fused_elementwise: bool = True
-    # Whether ZeRO-3 under a pipeline keeps its gathered weights over the step's
-    # micro-batches (torchtitan: reshard_after_forward off when pp > 1, one gather a step)
-    # or reshards after every forward and gathers again for every pass (ember).
-    pp_keeps_gathered: bool = False
 
     def runs_schedule(self, layout) -> bool:
         """Whether this software runs `layout`'s pipeline schedule: DeepSpeed's engine has

@@ -263,9 +263,9 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     width = 2 if fp32 else 1  # activations are counted in 2-byte elements
     grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
-    # Until the deferred reduction the stage's gradients accumulate whole, and the weights
-    # its first backward gathered stay gathered (beside their shards, which are the fp32
-    # masters in mixed precision).
+    # Until the deferred reduction the stage's gradients accumulate whole, and ZeRO-3's
+    # weights stay gathered from the first forward on (beside their shards, which are the
+    # fp32 masters in mixed precision).
     deferred = defers_reduction(layout, stack)
     weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
     if deferred and layout.zero >= 3:

@@ -20,9 +20,10 @@ gradients appear; ZeRO-3 also all-gathers weights before each forward and backwa
 collective per sharded unit). Hybrid sharding adds an all-reduce of each shard over the
 replicas. Under a pipeline, FSDP reduces once a step, after the stage's last backward
 (memory.py: defers_reduction), where only the stages below it, which finish their last
-backwards later, leave it time to hide. What overlapping them with compute costs (contention, the exposed first gather
-and last bucket, what outlasts the compute) is plan/overlap.py's; stacks without overlap
-pay all of it.
+backwards later, leave it time to hide; ZeRO-3 then gathers its weights once a step too.
+What overlapping them with compute costs (contention, the exposed first gather and last
+bucket, what outlasts the compute) is plan/overlap.py's; stacks without overlap pay all
+of it.
 
 Optimizer. Adam streams every local parameter's master weight, moments and gradient
 through HBM once (reads and writes: 26 bytes + 3 gradient reads/writes for clipping,
@@ -251,16 +252,15 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         grads = params * grad_bytes
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
-        # Under a pipeline FSDP reduces once a step (`defers_reduction`), and keeps ZeRO-3's
-        # weights gathered over the micro-batches where the stack says so.
+        # Under a pipeline FSDP reduces once a step (`defers_reduction`), and ZeRO-3 keeps
+        # its weights gathered over the micro-batches (ember, torchtitan).
         deferred = defers_reduction(lo, stack)
-        gathered = deferred and stack.pp_keeps_gathered
-        if lo.zero >= 3 and not gathered:  # gather weights for forward and backward, every micro-batch
+        if lo.zero >= 3 and not deferred:  # gather weights for forward and backward, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
-            scatter = 0.0 if deferred else overlap.sharded_s(grads, units, shard, links)
+            scatter = overlap.sharded_s(grads, units, shard, links)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
-                      + overlap.hidden_cost(gather + scatter, bwd.compute, max(scatter, gather) / units,
+                      + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
                                             stack.overlap_param_gather and stack.overlap_grad_reduce))
         elif lo.zero == 2 and not deferred:  # gradients reduce-scattered as they appear, every micro-batch
             scatter = overlap.sharded_s(grads, buckets, shard, links)
@@ -283,7 +283,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         else:
             # The last micro-batch's backward hides the step's reduction, all but its last bucket.
             reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
-        once = lo.zero in (1, 2) or (lo.zero >= 3 and gathered)  # weights gathered once a step
+        once = lo.zero in (1, 2) or deferred  # weights gathered once a step
         gather = overlap.sharded_s(params * weight_bytes, buckets, shard, links) if once else 0.0
         gather = overlap.hidden_cost(gather, fwd.compute, gather / buckets, stack.overlap_param_gather)
         dp_exposed = max(dp_exposed, reduce + gather)
