@@ -83,7 +83,7 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
     without resharding and reduce once a step, so the weights its first backward gathers
     stay gathered anyway; ZeRO-3 then keeps them from the first forward on too (as
     torchtitan does), instead of freeing them after every forward and gathering them again
-    for every pass of every micro-batch, which saves no peak memory."""
+    for every pass of every micro-batch, which saves little peak memory."""
     dp = topo.size("dp")
     if dp == 1 and not alone:
         return None
