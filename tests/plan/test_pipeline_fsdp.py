@@ -12,7 +12,7 @@ from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import defers_reduction, stage_params
 from ember.plan.models import PRESETS
-from ember.plan.predict import predict
+from ember.plan.predict import _stage_work, predict
 from ember.plan.stacks import stack
 
 LLAMA = PRESETS["llama3-8b"]
@@ -72,3 +72,18 @@ def test_zero3_under_a_pipeline_gathers_once_a_step():
     flat = Layout(dp_shard=64, zero=3, micro_batch=2)
     zero1 = dataclasses.replace(flat, zero=1)
     assert _predict("ember", flat).shares["dp_comm"] > _predict("ember", zero1).shares["dp_comm"]
+
+
+def test_interleaved_stages_hide_a_reduction_behind_one_chunk_of_the_ranks_below():
+    """Interleaved, the last micro-batch's backward passes each rank below through one of
+    its vpp chunks, not all of them: that is all the time a later rank's reduction has."""
+    lo = Layout(tp=1, pp=2, dp_shard=32, zero=1, micro_batch=2, schedule="interleaved", vpp=2,
+                stage_layers=(1, 15, 1, 15))  # rank 0: 2 layers and the embedding; rank 1: 30 and the output
+    cluster = make_cluster("H100", 64, stack=stack("ember", overlap_param_gather=False))
+    exposed = predict(LLAMA, cluster, SHAPE, lo).detail["dp_exposed_s"]
+    shard = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, 8, lo.cp)["dp_shard"]
+    moved = [overlap.sharded_s(stage_params(LLAMA, lo, i) * 2, lo.rank_layers(LLAMA)[i] + 1, shard, cluster.links)
+             for i in range(2)]
+    below = _stage_work(LLAMA, cluster, SHAPE, lo, 0)[1].total
+    assert moved[1] > below / 2 > 0
+    assert exposed == pytest.approx(max(2 * moved[0], moved[1] - below / 2 + moved[1]), rel=1e-6)

@@ -277,9 +277,11 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         else:
             reduce = comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
         if deferred:
-            # Issued after the stage's last backward: nothing hides it but the stages
-            # below, whose last backwards finish after this stage's.
-            reduce = max(0.0, reduce - sum(passes[stand_in[j]][1].total for j in range(i)))
+            # Issued after the stage's last backward: nothing hides it but the last
+            # micro-batch's backward through the ranks below, which finish after this one
+            # (through one of their vpp chunks each when interleaved).
+            below = sum(passes[stand_in[j]][1].total for j in range(i))
+            reduce = max(0.0, reduce - below / lo.vpp)
         else:
             # The last micro-batch's backward hides the step's reduction, all but its last bucket.
             reduce = overlap.hidden_cost(reduce, bwd.compute, reduce / buckets, stack.overlap_grad_reduce)
