@@ -10,7 +10,7 @@ from ember.plan.search import runners_up, search
 
 def test_gpt3_175b_on_1024_gpus_is_searched_and_ranked():
     result = search(PRESETS["gpt3-175b"], make_cluster("A100-80GB", 1024), TrainShape(2048, 1536))
-    assert result.considered > 5000 and result.ranked
+    assert result.considered > 4000 and result.ranked
     assert all(p.fits for p in result.ranked) and not any(p.fits for p in result.too_big)
     times = [p.step_time_s for p in result.ranked]
     assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:]))
@@ -36,3 +36,15 @@ def test_interleaved_schedules_are_searched_when_stages_do_not_divide_the_layers
     assert result.best.layout.schedule == "interleaved"
     best_1f1b = min(p.step_time_s for p in result.ranked if p.layout.schedule == "1f1b")
     assert result.best.step_time_s < 0.85 * best_1f1b
+
+
+def test_a_pipeline_searches_zero1_once_not_zero2_and_3_beside_it():
+    """Under a pipeline FSDP's ZeRO-2 and 3 are ZeRO-1's run (one reduction a step, the
+    weights gathered over it): the table lists it once, unless zero is pinned."""
+    model, cluster, shape = PRESETS["llama3-8b"], make_cluster("H100", 16), TrainShape(4096, 64)
+    piped = [p.layout for p in search(model, cluster, shape, fixed={"pp": 2}).ranked]
+    assert piped and {lo.zero for lo in piped} <= {0, 1}
+    flat = [p.layout for p in search(model, cluster, shape, fixed={"pp": 1}).ranked]
+    assert {1, 2, 3} <= {lo.zero for lo in flat}
+    pinned = search(model, cluster, shape, fixed={"pp": 2, "zero": 3}).ranked
+    assert pinned and all(p.layout.zero == 3 for p in pinned)

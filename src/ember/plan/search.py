@@ -9,6 +9,7 @@ from ember.config import ConfigError
 from ember.plan.cluster import Cluster
 from ember.layout import Layout
 from ember.plan.layout import TrainShape, candidates
+from ember.plan.memory import defers_reduction
 from ember.plan.predict import Prediction, predict
 
 
@@ -30,7 +31,8 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     `ember_only=False` also ranks layouts only other frameworks run (published runs)."""
     start = time.perf_counter()
     layouts = [lo for lo in candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs,
-                                       fixed=fixed, ember_only=ember_only) if cluster.stack.runs_schedule(lo)]
+                                       fixed=fixed, ember_only=ember_only)
+               if cluster.stack.runs_schedule(lo) and not _runs_as_zero1(lo, cluster.stack, fixed)]
     if not layouts and fixed:
         pinned = ",".join(f"{k}={v}" for k, v in fixed.items())
         raise ConfigError(f"no layout of {model.name} with {pinned} runs on {cluster.n_gpus} GPUs at a global "
@@ -47,6 +49,13 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     fits.sort(key=_rank_key)
     too_big.sort(key=_rank_key)
     return SearchResult(fits, too_big, len(layouts), time.perf_counter() - start)
+
+
+def _runs_as_zero1(lo: Layout, stack, fixed: dict | None) -> bool:
+    """ZeRO-2 or 3 on an FSDP stage of a pipeline, which reduces once a step and keeps its
+    weights gathered (predict.py): the same run as ZeRO-1, at no less memory. Searched only
+    when pinned, so that a table of the fastest layouts does not list each one three times."""
+    return lo.zero >= 2 and "zero" not in (fixed or {}) and defers_reduction(lo, stack)
 
 
 def _rank_key(p: Prediction) -> tuple:
