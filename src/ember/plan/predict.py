@@ -246,15 +246,15 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     stages = sorted(set(stand_in.values()))
     times, halves, parts, dp_exposed, optimizer = {}, {}, {}, 0.0, 0.0
     passes = {i: _stage_work(model, cluster, shape, lo, i) for i in stages}
+    # Under a pipeline FSDP reduces once a step (`defers_reduction`), and ZeRO-3 keeps its
+    # weights gathered over the micro-batches (ember, torchtitan).
+    deferred = defers_reduction(lo, stack)
     for i in stages:
         fwd, bwd = passes[i]
         params = stage_params(model, lo, i)
         grads = params * grad_bytes
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
-        # Under a pipeline FSDP reduces once a step (`defers_reduction`), and ZeRO-3 keeps
-        # its weights gathered over the micro-batches (ember, torchtitan).
-        deferred = defers_reduction(lo, stack)
         if lo.zero >= 3 and not deferred:  # gather weights for forward and backward, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
