@@ -283,7 +283,7 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
     vtrain = next((res for res in results if res["name"] == "vtrain"), None)
     lines += [""] + zero3_scaling() + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
     lines += ["", "rows of every set but vtrain:"]
-    for res in (res for res in results if res["name"] != "vtrain"):
+    for res in (res for res in results if not any(r["run"].source == "vTrain" for r in res["records"])):
         for r in res["records"]:
             run, p = r["run"], r["prediction"]
             err = f"{100 * r['error']:+6.1f}%" if r["error"] is not None else "   OOM" if run.oom else "     -"
@@ -303,17 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only; do not write benchmarks/results/")
     parser.add_argument("--csv", action="append", default=[], type=Path, metavar="FILE",
-                        help="also check the runs in FILE (the columns of published_runs_more.csv), all unseen")
+                        help="also check the runs in FILE (the columns of published_runs_more.csv, or of vTrain's "
+                             "measured data), all unseen")
     args = parser.parse_args(argv)
     extra = []
     for f in args.csv:  # read them all before any prediction is made
         try:
-            extra.append((f.stem, *planner_sets.published_runs_more(f, name=f.stem, unseen=True)))
+            extra.append((f.stem, *planner_sets.runs_in_file(f, f.stem)))
         except OSError as e:
             print(f"error: cannot read {f}: {e.strerror}.", file=sys.stderr)
             return 2
         except (KeyError, ValueError, ConfigError) as e:
-            print(f"error: {f} is not a file of runs with published_runs_more.csv's columns ({e}).", file=sys.stderr)
+            print(f"error: {f} has neither published_runs_more.csv's columns nor vTrain's ({e}).", file=sys.stderr)
             return 2
     start = time.perf_counter()
     results = [evaluate_set(name) for name in planner_sets.SETS if planner_sets.available(name)]

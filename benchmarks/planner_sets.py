@@ -20,8 +20,10 @@ Held out. Whole groups are held out, so a held-out ranking is never seen while f
 a group is held out when crc32 of its key is divisible by 3 (about a third of them).
 The constants of the overlap model (plan/overlap.py) are fitted on the other groups only.
 
-Any other file with the columns of published_runs_more.csv can be checked the same way
-(`planner_accuracy.py --csv FILE`): its rows are all unseen, none was used to fit. Rows of
+Any other file with the columns of published_runs_more.csv, or of vTrain's measured data
+(VTRAIN_COLUMNS: its other files, on several nodes of 8 GPUs, read as the single-node one),
+can be checked the same way (`planner_accuracy.py --csv FILE`): its rows are all unseen,
+none was used to fit. Rows of
 a source this module does not know are read by what the row says (`_any_source`): the
 stack from the source's name or a `stack=` note, the layout from the columns, and the
 fields left empty (micro-batch, recomputation, schedule) searched; an empty dp is what
@@ -362,7 +364,25 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
     return Run(name, row["source"], group, model, cluster, shape, tokens, fixed=fixed, label=row["model"])
 
 
-def vtrain(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
+# vTrain's measured-data columns (its data/ground_truth_*.csv): a file with them is read as vTrain's.
+VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
+                  "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
+                  "iteration time (ms)")
+
+
+def runs_in_file(path: Path, name: str) -> tuple[list[Run], dict[str, int]]:
+    """Every run in a file given with --csv, all unseen: vTrain's columns (any of its measured
+    files, one node or several of 8 GPUs) or published_runs_more.csv's."""
+    with path.open(encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    if all(c in header for c in VTRAIN_COLUMNS):
+        return vtrain(path, name=name, unseen=True)
+    return published_runs_more(path, name=name, unseen=True)
+
+
+def vtrain(csv_path: Path | None = None, name: str = "vtrain",
+           unseen: bool = False) -> tuple[list[Run], dict[str, int]]:
+    """Megatron-DeepSpeed runs on A100s, 8 to a node, timed by vTrain's authors."""
     path = csv_path or SHARED / "vtrain" / "ground_truth_single.csv"
     runs = []
     with path.open(encoding="utf-8-sig") as f:
@@ -377,8 +397,8 @@ def vtrain(csv_path: Path | None = None) -> tuple[list[Run], dict[str, int]]:
             layout = Layout(tp=tp, pp=pp, dp_replicate=dp, zero=0, micro_batch=mbs, recompute="full")
             seconds = float(row["iteration time (ms)"]) / 1000
             tokens = gb * seq / seconds / gpus
-            runs.append(Run("vtrain", "vTrain", ("vtrain", h, layers, gpus, gb), model, cluster,
-                            TrainShape(seq, gb), tokens, layout=layout, label=f"h{h} L{layers}"))
+            runs.append(Run(name, "vTrain", (name, h, layers, gpus, gb), model, cluster, TrainShape(seq, gb),
+                            tokens, layout=layout, label=f"h{h} L{layers}", unseen=unseen))
     return runs, {}
 
 

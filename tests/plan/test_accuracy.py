@@ -129,6 +129,29 @@ def test_a_file_of_runs_from_any_source_is_checked_as_unseen(accuracy, tmp_path)
     assert "unseen       3 rows" in text and "of which FP8: held out     1 rows" in text
 
 
+def test_a_file_in_vtrains_columns_is_checked_as_unseen_on_nodes_of_eight(accuracy, tmp_path):
+    """vTrain's measured files (a BOM, CRLF lines) are recognised by their columns, on as many
+    nodes of 8 A100s as the GPU count needs; every group is unseen."""
+    import planner_sets
+
+    head = ("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+            "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)")
+    rows = ["16,32,2,2048,16,24,1024,8,1,2,900.0", "16,32,2,2048,16,24,1024,4,2,2,700.0",
+            "16,32,1,2048,16,24,1024,2,4,2,650.0", "8,32,4,1024,16,12,1024,2,2,2,300.0"]
+    path = tmp_path / "multi.csv"
+    path.write_bytes(("\ufeff" + "\r\n".join([head] + rows) + "\r\n").encode())
+    runs, skipped = planner_sets.runs_in_file(path, "multi")
+    assert not skipped and len(runs) == 4 and all(r.held_out and r.set == "multi" for r in runs)
+    assert [r.cluster.n_gpus for r in runs] == [16, 16, 16, 8] and runs[0].cluster.links.gpus_per_node == 8
+    assert runs[1].layout.tp == 4 and runs[1].layout.dp_replicate == 2 and runs[1].layout.pp == 2
+    assert runs[0].measured == pytest.approx(32 * 1024 / 0.9 / 16)
+    assert len({r.group for r in runs}) == 2
+    result = accuracy.evaluate_runs("multi", runs, skipped, unseen=True)
+    assert result["held_out"]["rows"] == 4 and result["held_out"]["ranked_groups"] == 1
+    text = accuracy.report([result], 0.0)
+    assert "unseen       4 rows" in text and "h2048 L24" not in text.split("rows of every set but vtrain:")[1]
+
+
 def test_hardware_tflops_of_a_runs_file_count_the_recomputed_forward(tmp_path):
     import planner_sets
     from ember.cost import model_flops_per_token, recompute_flops_per_token
@@ -162,7 +185,7 @@ def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, t
     bad.write_text("model,gpu\nGPT,A100\n")
     assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "is not a file of runs" in err and "Traceback" not in err
+    assert "has neither published_runs_more.csv's columns nor vTrain's" in err and "Traceback" not in err
     columns = tmp_path / "columns.csv"
     columns.write_text(HEADER.replace(",dp,", ",") + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,,,64\n")
     assert accuracy.main(["--no-write", "--csv", str(columns)]) == 2
