@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot read {f}: {e.strerror}.", file=sys.stderr)
             return 2
         except (KeyError, ValueError, ConfigError) as e:
-            print(f"error: {f} has neither published_runs_more.csv's columns nor vTrain's ({e}).", file=sys.stderr)
+            print(f"error: {f} is not a file of runs in published_runs_more.csv's columns or vTrain's ({e}).",
+                  file=sys.stderr)
             return 2
     start = time.perf_counter()
     results = [evaluate_set(name) for name in planner_sets.SETS if planner_sets.available(name)]

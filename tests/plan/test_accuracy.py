@@ -185,7 +185,14 @@ def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, t
     bad.write_text("model,gpu\nGPT,A100\n")
     assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "has neither published_runs_more.csv's columns nor vTrain's" in err and "Traceback" not in err
+    assert "is not a file of runs in published_runs_more.csv's columns or vTrain's" in err and "Traceback" not in err
+    vtrain = tmp_path / "vtrain.csv"  # vTrain's columns, a value that is not a number
+    vtrain.write_text("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+                      "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
+                      "8,32,x,1024,16,12,1024,2,2,2,300.0\n")
+    assert accuracy.main(["--no-write", "--csv", str(vtrain)]) == 2
+    err = capsys.readouterr().err
+    assert "'x' is not a whole number" in err and "Traceback" not in err
     columns = tmp_path / "columns.csv"
     columns.write_text(HEADER.replace(",dp,", ",") + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,,,64\n")
     assert accuracy.main(["--no-write", "--csv", str(columns)]) == 2

@@ -43,9 +43,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, full)
 # Each measurement runs REPEATS times and keeps its fastest: on a shared machine another
 # process only ever slows a burst down, so the fastest is the machine's own rate (the
-# measured runs the planner is checked against keep their fastest round too). One burst of
-# full length made successive calibrations of one 2-core machine differ by 18% in matmul
-# rate and 48% in copy bandwidth.
+# measured runs the planner is checked against keep their fastest round too). On a 2-core
+# machine the matmul rate of successive calibrations moved 21% with one burst and 2% with
+# three (benchmarks/calibration_spread.py).
 REPEATS = 3
 MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
                 ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
