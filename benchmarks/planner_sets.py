@@ -380,6 +380,12 @@ def runs_in_file(path: Path, name: str) -> tuple[list[Run], dict[str, int]]:
     return published_runs_more(path, name=name, unseen=True)
 
 
+# vTrain's published configs (config/validation/*/*.json) give its cluster 800 Gb/s between
+# nodes of 8 A100s (four 200 Gb/s HDR ports, two GPUs to a port): 12.5 GB/s per GPU, half a
+# DGX A100's. Only runs that span nodes see it.
+VTRAIN_INTER_GBPS = 800 / 8 / 8
+
+
 def vtrain(csv_path: Path | None = None, name: str = "vtrain",
            unseen: bool = False) -> tuple[list[Run], dict[str, int]]:
     """Megatron-DeepSpeed runs on A100s, 8 to a node, timed by vTrain's authors."""
@@ -393,7 +399,7 @@ def vtrain(csv_path: Path | None = None, name: str = "vtrain",
             tp, dp, pp = (_int(row[k]) for k in ("tensor parallelism", "data parallelism", "pipeline parallelism"))
             model = ModelSpec(f"GPT h{h} L{layers}", layers, h, heads, 4 * h, 50257, bias=True, dropout=True,
                               max_seq_len=seq)
-            cluster = make_cluster("A100-80GB", gpus, 8, stack=MEGATRON_DEEPSPEED)
+            cluster = make_cluster("A100-80GB", gpus, 8, inter_gbps=VTRAIN_INTER_GBPS, stack=MEGATRON_DEEPSPEED)
             layout = Layout(tp=tp, pp=pp, dp_replicate=dp, zero=0, micro_batch=mbs, recompute="full")
             seconds = float(row["iteration time (ms)"]) / 1000
             tokens = gb * seq / seconds / gpus
