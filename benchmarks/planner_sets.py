@@ -21,9 +21,8 @@ a group is held out when crc32 of its key is divisible by 3 (about a third of th
 The constants of the overlap model (plan/overlap.py) are fitted on the other groups only.
 
 Any other file with the columns of published_runs_more.csv, or of vTrain's measured data
-(VTRAIN_COLUMNS: its other files, on several nodes of 8 GPUs, read as the single-node one),
-can be checked the same way (`planner_accuracy.py --csv FILE`): its rows are all unseen,
-none was used to fit. Rows of
+(vtrain_runs.py: its other files, on several nodes of 8 GPUs), can be checked the same way
+(`planner_accuracy.py --csv FILE`): its rows are all unseen, none was used to fit. Rows of
 a source this module does not know are read by what the row says (`_any_source`): the
 stack from the source's name or a `stack=` note, the layout from the columns, and the
 fields left empty (micro-batch, recomputation, schedule) searched; an empty dp is what
@@ -74,10 +73,6 @@ NEMO = stack("nemo")  # NeMo's performance recipes: overlap on, gradients reduce
 # Megatron-LM's own weak-scaling table: "overlap of DP/TP/PP comm on", with Megatron-LM's
 # default fp32 gradient accumulation for bf16 training.
 MEGATRON_CORE_OVERLAP = stack("nemo", grad_dtype="fp32")
-# vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
-# where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
-# runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
-MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
 FOUNDRY_AMP = stack("llm-foundry")  # Composer's DEFAULT mixed precision reduces in fp32
 FOUNDRY_PURE = stack("llm-foundry", grad_dtype="bf16")
 FSDP_PURE = stack("fsdp", grad_dtype="bf16")  # torchtitan
@@ -364,48 +359,16 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
     return Run(name, row["source"], group, model, cluster, shape, tokens, fixed=fixed, label=row["model"])
 
 
-# vTrain's measured-data columns (its data/ground_truth_*.csv): a file with them is read as vTrain's.
-VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
-                  "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
-                  "iteration time (ms)")
-
-
 def runs_in_file(path: Path, name: str) -> tuple[list[Run], dict[str, int]]:
     """Every run in a file given with --csv, all unseen: vTrain's columns (any of its measured
     files, one node or several of 8 GPUs) or published_runs_more.csv's."""
+    from vtrain_runs import VTRAIN_COLUMNS, vtrain
+
     with path.open(encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
     if all(c in header for c in VTRAIN_COLUMNS):
         return vtrain(path, name=name, unseen=True)
     return published_runs_more(path, name=name, unseen=True)
-
-
-# vTrain's published configs (config/validation/*/*.json) give its cluster 800 Gb/s between
-# nodes of 8 A100s (four 200 Gb/s HDR ports, two GPUs to a port): 12.5 GB/s per GPU, half a
-# DGX A100's. Only runs that span nodes see it.
-VTRAIN_INTER_GBPS = 800 / 8 / 8
-
-
-def vtrain(csv_path: Path | None = None, name: str = "vtrain",
-           unseen: bool = False) -> tuple[list[Run], dict[str, int]]:
-    """Megatron-DeepSpeed runs on A100s, 8 to a node, timed by vTrain's authors."""
-    path = csv_path or SHARED / "vtrain" / "ground_truth_single.csv"
-    runs = []
-    with path.open(encoding="utf-8-sig") as f:
-        for row in csv.DictReader(f):
-            gpus, gb, mbs = _int(row["# GPUs"]), _int(row["global batch"]), _int(row["micro batch"])
-            h, heads, layers, seq = (_int(row[k]) for k in ("hidden size", "attention heads", "# layers",
-                                                             "sequence length"))
-            tp, dp, pp = (_int(row[k]) for k in ("tensor parallelism", "data parallelism", "pipeline parallelism"))
-            model = ModelSpec(f"GPT h{h} L{layers}", layers, h, heads, 4 * h, 50257, bias=True, dropout=True,
-                              max_seq_len=seq)
-            cluster = make_cluster("A100-80GB", gpus, 8, inter_gbps=VTRAIN_INTER_GBPS, stack=MEGATRON_DEEPSPEED)
-            layout = Layout(tp=tp, pp=pp, dp_replicate=dp, zero=0, micro_batch=mbs, recompute="full")
-            seconds = float(row["iteration time (ms)"]) / 1000
-            tokens = gb * seq / seconds / gpus
-            runs.append(Run(name, "vTrain", (name, h, layers, gpus, gb), model, cluster, TrainShape(seq, gb),
-                            tokens, layout=layout, label=f"h{h} L{layers}", unseen=unseen))
-    return runs, {}
 
 
 def predict(run: Run):
@@ -419,6 +382,8 @@ def predict(run: Run):
 
 
 def load(name: str) -> tuple[list[Run], dict[str, int]]:
+    from vtrain_runs import vtrain  # it builds on this module's Run
+
     return {"published_runs": published_runs, "published_runs_more": published_runs_more, "vtrain": vtrain}[name]()
 
 

@@ -1,0 +1,54 @@
+"""vTrain's measured runs (Megatron-DeepSpeed on A100s, 8 to a node) read into `Run`s.
+
+Its single-node sweep (shared/planner/vtrain) is one of the public sets; any other file in
+its columns (VTRAIN_COLUMNS: the other measured files in its repository's `data/`) is read
+the same way by `planner_sets.runs_in_file`, every group unseen.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from planner_sets import SHARED, Run, _int
+
+from ember.layout import Layout
+from ember.plan.cluster import make_cluster
+from ember.plan.layout import TrainShape
+from ember.plan.models import ModelSpec
+from ember.plan.stacks import stack
+
+# vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
+# where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
+# runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off.
+MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False)
+# vTrain's measured-data columns (its data/ground_truth_*.csv): a file with them is read as vTrain's.
+VTRAIN_COLUMNS = ("# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
+                  "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
+                  "iteration time (ms)")
+# vTrain's published configs (config/validation/*/*.json) give its cluster 800 Gb/s between
+# nodes of 8 A100s (four 200 Gb/s HDR ports, two GPUs to a port): 12.5 GB/s per GPU, half a
+# DGX A100's. Only runs that span nodes see it.
+VTRAIN_INTER_GBPS = 800 / 8 / 8
+
+
+def vtrain(csv_path: Path | None = None, name: str = "vtrain",
+           unseen: bool = False) -> tuple[list[Run], dict[str, int]]:
+    """Megatron-DeepSpeed runs on A100s, 8 to a node, timed by vTrain's authors."""
+    path = csv_path or SHARED / "vtrain" / "ground_truth_single.csv"
+    runs = []
+    with path.open(encoding="utf-8-sig") as f:
+        for row in csv.DictReader(f):
+            gpus, gb, mbs = _int(row["# GPUs"]), _int(row["global batch"]), _int(row["micro batch"])
+            h, heads, layers, seq = (_int(row[k]) for k in ("hidden size", "attention heads", "# layers",
+                                                             "sequence length"))
+            tp, dp, pp = (_int(row[k]) for k in ("tensor parallelism", "data parallelism", "pipeline parallelism"))
+            model = ModelSpec(f"GPT h{h} L{layers}", layers, h, heads, 4 * h, 50257, bias=True, dropout=True,
+                              max_seq_len=seq)
+            cluster = make_cluster("A100-80GB", gpus, 8, inter_gbps=VTRAIN_INTER_GBPS, stack=MEGATRON_DEEPSPEED)
+            layout = Layout(tp=tp, pp=pp, dp_replicate=dp, zero=0, micro_batch=mbs, recompute="full")
+            seconds = float(row["iteration time (ms)"]) / 1000
+            tokens = gb * seq / seconds / gpus
+            runs.append(Run(name, "vTrain", (name, h, layers, gpus, gb), model, cluster, TrainShape(seq, gb),
+                            tokens, layout=layout, label=f"h{h} L{layers}", unseen=unseen))
+    return runs, {}
