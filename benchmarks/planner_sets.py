@@ -75,8 +75,8 @@ NEMO = stack("nemo")  # NeMo's performance recipes: overlap on, gradients reduce
 MEGATRON_CORE_OVERLAP = stack("nemo", grad_dtype="fp32")
 FOUNDRY_AMP = stack("llm-foundry")  # Composer's DEFAULT mixed precision reduces in fp32
 FOUNDRY_PURE = stack("llm-foundry", grad_dtype="bf16")
-FSDP_PURE = stack("fsdp", grad_dtype="bf16")  # torchtitan
-FSDP_EAGER = stack("fsdp-eager", grad_dtype="bf16")  # torchtitan without torch.compile
+# torchtitan (mixed_precision_reduce defaults to float32), and without torch.compile.
+TORCHTITAN, TORCHTITAN_EAGER = stack("fsdp"), stack("fsdp-eager")
 # What a file of runs must have (published_runs_more.csv's other columns are optional).
 REQUIRED_COLUMNS = ("source", "model", "layers", "hidden", "heads", "seq", "vocab", "gpu", "n_gpus", "tp", "pp", "dp",
                     "global_bs")
@@ -282,7 +282,7 @@ def _more_run(row: dict, name: str, skip) -> Run | None:
         # Grand Teton H100s: 96 GB HBM2e at 500 W; the planner knows only the SXM part.
         async_tp = (_note(row, "asyncTP") or "").startswith("yes")
         eager = (_note(row, "compile") or "").startswith("no")
-        base = FSDP_EAGER if eager else FSDP_PURE
+        base = TORCHTITAN_EAGER if eager else TORCHTITAN
         cluster = make_cluster(gpu, gpus, 8, stack=replace(base, overlap_tp_comm=async_tp))
         recompute = "selective" if row["recompute"].startswith("sel") else row["recompute"]
         # Interleaved 1F1B: torchtitan's default of two stages per rank.

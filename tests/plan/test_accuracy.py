@@ -272,6 +272,20 @@ def test_nemo_rows_reduce_gradients_in_bf16_and_megatron_lms_own_in_fp32(tmp_pat
     assert all(r.cluster.stack.overlap_tp_comm for r in runs)
 
 
+def test_torchtitan_rows_reduce_gradients_in_fp32_compiled_or_not(tmp_path):
+    """torchtitan's mixed_precision_reduce defaults to float32, which also sets the dtype a
+    pipeline stage accumulates its unreduced gradients in."""
+    import planner_sets
+
+    row = "torchtitan-H100,Llama 8B,8,32,4096,32,8192,128256,H100 SXM,16,1,2,8,3,2,64,full,,,tok_s_gpu=5000{},8,14336\n"
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + row.format("; compile=yes; precision=bf16") + row.format("; compile=no; precision=bf16"))
+    runs, _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    assert [(r.cluster.stack.name, r.cluster.stack.grad_dtype) for r in runs] == [("fsdp", "fp32"),
+                                                                                 ("fsdp-eager", "fp32")]
+    assert runs[0].layout.pp == 2 and runs[0].layout.zero == 3
+
+
 def test_memory_is_reported_against_the_published_peaks(accuracy):
     from types import SimpleNamespace as NS
 

@@ -87,3 +87,14 @@ def test_interleaved_stages_hide_a_reduction_behind_one_chunk_of_the_ranks_below
     below = _stage_work(LLAMA, cluster, SHAPE, lo, 0)[1].total
     assert moved[1] > below / 2 > 0
     assert exposed == pytest.approx(max(2 * moved[0], moved[1] - below / 2 + moved[1]), rel=1e-6)
+
+
+def test_gradients_held_for_the_deferred_reduction_are_in_its_dtype():
+    """FSDP2 upcasts an unsharded gradient it does not reduce yet to its reduce_dtype and
+    accumulates there: with fp32 reduction a stage holds 4 bytes a weight until the step's
+    reduction, with bf16 reduction 2."""
+    lo = _layout(3)
+    fp32, bf16 = _predict("fsdp", lo, grad_dtype="fp32"), _predict("fsdp", lo, grad_dtype="bf16")
+    params = stage_params(LLAMA, lo, fp32.memory.stage)  # the stage whose memory is reported
+    assert fp32.memory.grads == pytest.approx(4 * params, rel=1e-9)
+    assert bf16.memory.grads == pytest.approx(2 * params, rel=1e-9)
