@@ -153,6 +153,26 @@ def test_a_file_in_vtrains_columns_is_checked_as_unseen_on_nodes_of_eight(accura
     assert "unseen       4 rows" in text and "h2048 L24" not in text.split("rows of every set but vtrain:")[1]
 
 
+def test_a_vtrain_file_may_split_tensors_across_nodes(accuracy, tmp_path):
+    """vTrain's multi-node runs include tensor parallelism over 16 GPUs, two nodes: priced,
+    not refused, with its collectives on the network between the nodes."""
+    import dataclasses
+
+    import planner_sets
+
+    from ember.plan.cluster import make_cluster
+
+    head = ("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+            "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)")
+    path = tmp_path / "tp16.csv"
+    path.write_text("\n".join([head, "32,64,2,2048,16,24,1024,16,2,1,900.0"]))
+    (run,), _ = planner_sets.runs_in_file(path, "tp16")
+    nvlink_between = dataclasses.replace(run, cluster=make_cluster("A100-80GB", 32, 8, inter_gbps=300.0,
+                                                                   stack=run.cluster.stack))
+    slow, fast = planner_sets.predict(run), planner_sets.predict(nvlink_between)
+    assert slow.step_time_s * slow.shares["tp_comm"] > 1.25 * fast.step_time_s * fast.shares["tp_comm"]
+
+
 def test_hardware_tflops_of_a_runs_file_count_the_recomputed_forward(tmp_path):
     import planner_sets
     from ember.cost import model_flops_per_token, recompute_flops_per_token
