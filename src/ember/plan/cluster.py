@@ -65,6 +65,15 @@ class Stack:
     # How many collectives ZeRO-3 issues per layer and pass: FSDP gathers a block as one
     # flat unit (1); DeepSpeed fetches each parameter-holding sub-module (4 weights, 2 norms).
     zero3_collectives_per_layer: int = 1
+    # Whether ZeRO-3 gathers a layer's weights again for the forward that full recomputation
+    # reruns inside the backward pass (DeepSpeed: its sub-module pre-forward hooks fire on the
+    # rerun, which releases them after; FSDP gathers once for both, in its pre-backward hook).
+    zero3_regathers_for_recompute: bool = False
+    # Seconds a ZeRO-3 all-gather costs per rank of its group beyond the collective: an
+    # all-gather into a list of per-rank tensors (torch.distributed.all_gather, as DeepSpeed's
+    # ZeRO-3 of 2021 called it) gathers into one flat buffer and then copies each rank's
+    # chunk out with its own copy, one launch each. 0 for an all-gather into one tensor.
+    gather_s_per_rank: float = 0.0
     # Host time the framework spends per kernel it launches in eager mode (Python, autograd,
     # hooks). The GPU waits when a pass's kernels are too small to outlast it.
     host_s_per_kernel: float = 10e-6

@@ -257,10 +257,15 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         per_mb = 0.0
         if lo.zero >= 3 and not deferred:  # gather weights for forward and backward, every micro-batch
             units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
-            gather = overlap.sharded_s(params * weight_bytes, units, shard, links)
+            gather = (overlap.sharded_s(params * weight_bytes, units, shard, links)
+                      + units * shard.size * stack.gather_s_per_rank)
             scatter = overlap.sharded_s(grads, units, shard, links)
+            # A stack that gathers again for the recomputed forward does so in the backward pass.
+            layers = max(1, lo.rank_layers(model)[i])
+            rerun = (gather * lo.recomputed_fraction(layers)
+                     if lo.recompute == "full" and stack.zero3_regathers_for_recompute else 0.0)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
-                      + overlap.hidden_cost(gather + scatter, bwd.compute, scatter / units,
+                      + overlap.hidden_cost(gather + rerun + scatter, bwd.compute, scatter / units,
                                             stack.overlap_param_gather and stack.overlap_grad_reduce))
         elif lo.zero == 2 and not deferred:  # gradients reduce-scattered as they appear, every micro-batch
             scatter = overlap.sharded_s(grads, buckets, shard, links)

@@ -19,7 +19,11 @@ naming what that software does, not tuning ember's own constants to it:
   other software than today's Megatron-Core, so its kernel rate is its own.
 - `deepspeed`: Megatron-DeepSpeed: unfused attention, 2-byte gradients, no gradient
   bucketing overlap, ZeRO-3 fetching each parameter-holding sub-module with its own
-  collective (four weights and two norms per block) and without reliable prefetch;
+  collective (four weights and two norms per block) and without reliable prefetch, again
+  for the forward that full recomputation reruns (its pre-forward hooks fire on the rerun:
+  DeepSpeed issue #4784), and into a list of per-rank tensors as its 2021 code did, one
+  copy per rank after every gather (the copies DeepSpeed's later in-place all-gather
+  removed: issue #1069);
   DeepSpeed's pipeline engine, which runs its stages in lockstep and sends the whole
   activation from every tensor-parallel rank (read from its TrainSchedule, not fitted).
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
@@ -61,6 +65,10 @@ from ember.plan.cluster import Stack
 # every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
 # on odd counts within a block, attention and reduce-scatter outputs always) and the
 # elementwise work; ember's reruns only the elementwise work.
+# One copy launched from C++ (cudaMemcpyAsync or a copy kernel): a few microseconds of
+# host and device each; what every rank's chunk costs after a list all-gather.
+GATHER_COPY_S = 5e-6
+
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
@@ -72,7 +80,8 @@ STACKS: dict[str, Stack] = {
                            selective="attention", fused_loss=False, frees_grads=False,
                            sp_keeps_gathered=False, per_block_grads=False),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
-                       overlap_param_gather=False, zero3_collectives_per_layer=6, host_s_per_kernel=60e-6,
+                       overlap_param_gather=False, zero3_collectives_per_layer=6, zero3_regathers_for_recompute=True,
+                       gather_s_per_rank=GATHER_COPY_S, host_s_per_kernel=60e-6,
                        host_s_per_micro_batch=2e-3,
                        kernel_eff=1.025, selective="attention", fused_loss=False, frees_grads=False,
                        sp_keeps_gathered=False, per_block_grads=False, p2p_slices=False,
