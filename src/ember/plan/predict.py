@@ -256,12 +256,12 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
         per_mb = 0.0
         if lo.zero >= 3 and not deferred:  # gather weights for forward and backward, every micro-batch
-            units = max(1, lo.rank_layers(model)[i]) * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
+            layers = max(1, lo.rank_layers(model)[i])
+            units = layers * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = (overlap.sharded_s(params * weight_bytes, units, shard, links)
                       + units * shard.size * stack.gather_s_per_rank)
             scatter = overlap.sharded_s(grads, units, shard, links)
             # A stack that gathers again for the recomputed forward does so in the backward pass.
-            layers = max(1, lo.rank_layers(model)[i])
             rerun = (gather * lo.recomputed_fraction(layers)
                      if lo.recompute == "full" and stack.zero3_regathers_for_recompute else 0.0)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)

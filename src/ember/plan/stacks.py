@@ -58,17 +58,17 @@ from dataclasses import replace
 from ember.config import ConfigError
 from ember.plan.cluster import Stack
 
-# kernel_eff, attention_eff and host_s_per_kernel (and deepspeed's host_s_per_micro_batch)
-# of every stack but ember's: fitted
-# (benchmarks/results/2026-11-26-planner-fit.txt). Megatron-LM's selective recomputation
-# (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
-# every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
-# on odd counts within a block, attention and reduce-scatter outputs always) and the
-# elementwise work; ember's reruns only the elementwise work.
 # One copy launched from C++ (cudaMemcpyAsync or a copy kernel): a few microseconds of
 # host and device each; what every rank's chunk costs after a list all-gather.
 GATHER_COPY_S = 5e-6
 
+# kernel_eff, attention_eff and host_s_per_kernel (and deepspeed's host_s_per_micro_batch)
+# of every stack but ember's: fitted
+# (benchmarks/results/2026-11-27-planner-fit.txt). Megatron-LM's selective recomputation
+# (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
+# every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
+# on odd counts within a block, attention and reduce-scatter outputs always) and the
+# elementwise work; ember's reruns only the elementwise work.
 STACKS: dict[str, Stack] = {
     "ember": Stack(name="ember"),
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
