@@ -66,8 +66,9 @@ def test_published_runs_more(accuracy):
     for part in ("fitted", "held_out"):
         s = result[part]
         assert s["rows"] >= 50
-        # The issue's targets: median within 10%, bias within 5%.
-        assert s["median"] <= 0.08 and abs(s["bias"]) <= 0.05 and s["max"] <= 0.32
+        # The issue's targets: median within 10%, bias within 5%. The largest error is
+        # MPT-70b on 64 A100s at micro-batch 2 (+32%: see docs/planner.md).
+        assert s["median"] <= 0.08 and abs(s["bias"]) <= 0.05 and s["max"] <= 0.33
 
 
 def test_vtrain_rankings(accuracy):
@@ -304,6 +305,25 @@ def test_torchtitan_rows_reduce_gradients_in_fp32_compiled_or_not(tmp_path):
     assert [(r.cluster.stack.name, r.cluster.stack.grad_dtype) for r in runs] == [("fsdp", "fp32"),
                                                                                  ("fsdp-eager", "fp32")]
     assert runs[0].layout.pp == 2 and runs[0].layout.zero == 3
+
+
+def test_torchtitan_grand_teton_rows_are_priced_on_that_part(tmp_path):
+    """torchtitan's H100s (HBM2e, lower power) are slower than the SXM part the row's name
+    starts with; their held-out groups keep the name the split was drawn with."""
+    import planner_sets
+
+    from ember.plan.predict import predict
+
+    row = ("torchtitan-H100,Llama 8B,8,32,4096,32,8192,128256,{},8,1,1,8,3,2,16,selective,,,"
+           "tok_s_gpu=5000; compile=yes; precision=bf16,8,14336\n")
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + row.format("H100-96GB HBM2e 500W;8/node NVLink") + row.format("H100 SXM"))
+    teton, sxm = planner_sets.published_runs_more(path, name="runs", unseen=True)[0]
+    assert (teton.cluster.gpu.name, sxm.cluster.gpu.name) == ("H100 SXM HBM2e", "H100 SXM")
+    assert teton.cluster.gpu.hbm_gbps < sxm.cluster.gpu.hbm_gbps
+    assert teton.group == sxm.group
+    fast, slow = (predict(r.model, r.cluster, r.shape, r.layout).tokens_per_s_per_gpu for r in (sxm, teton))
+    assert 0.85 < slow / fast < 0.95
 
 
 def test_memory_is_reported_against_the_published_peaks(accuracy):

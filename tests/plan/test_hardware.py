@@ -9,6 +9,7 @@ from ember.hardware import GPUS, find_gpu, peak_flops
     ("NVIDIA H100 80GB HBM3", 989e12, 80),  # SXM
     ("NVIDIA H100 PCIe", 756e12, 80),
     ("NVIDIA H100 NVL", 835e12, 94),
+    ("NVIDIA H100 96GB HBM2e", 912e12, 95),  # Grand Teton's lower-power SXM part
     ("NVIDIA H800", 989e12, 80),
     ("NVIDIA H200", 989e12, 141),
     ("NVIDIA GH200 480GB", 989e12, 96),

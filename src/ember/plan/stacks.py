@@ -87,7 +87,7 @@ STACKS: dict[str, Stack] = {
                        sp_keeps_gathered=False, per_block_grads=False, p2p_slices=False,
                        pipeline_lockstep=True),
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.85,
-                  attention_eff=0.5, selective="half-matmul", fused_loss=False),
+                  attention_eff=0.55, selective="half-matmul", fused_loss=False),
 }
 
 
