@@ -93,9 +93,10 @@ GPUS: tuple[GPU, ...] = (
     # Hopper: "NVIDIA H100 80GB HBM3" is the SXM part; "NVIDIA H100 PCIe"; "NVIDIA H200"
     GPU("GH200", 989e12, 96, r"gh200", hbm_gbps=4000, **_NV_H100),
     # Meta's Grand Teton H100 (torchtitan's published runs): the SXM part with 95 GB of HBM2e
-    # at a lower power limit. torchtitan's authors give its peak only as "between SXM and NVL" (989 and
-    # 835): the middle is taken. Six HBM2e stacks at the H100 PCIe's pin rate (five give it
-    # 2.0 TB/s): 2.46 TB/s. Both are assumptions, for `ember plan calibrate` to replace.
+    # at a lower power limit. torchtitan's authors give its peak only as "between SXM and
+    # NVL" (989 and 835): the middle is taken. Six HBM2e stacks at the H100 PCIe's pin rate
+    # (five give it 2.0 TB/s): 2.46 TB/s. Both are assumptions, for `ember plan calibrate`
+    # to replace.
     GPU("H100 SXM HBM2e", 912e12, 95, r"h100.*hbm2e", hbm_gbps=2458, **_NV_H100),
     GPU("H100 NVL", 835e12, 94, r"h100.*nvl", hbm_gbps=3900, **_PCIE5_H),
     GPU("H100 PCIe", 756e12, 80, r"h100.*pcie", hbm_gbps=2000, **_PCIE5_H),

@@ -262,7 +262,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
                       + units * shard.size * stack.gather_s_per_rank)
             scatter = overlap.sharded_s(grads, units, shard, links)
             # A stack that gathers again for the recomputed forward does so in the backward pass.
-            rerun = (gather * lo.recomputed_fraction(layers)
+            rerun = (gather * lo.recomputed_fraction(model.layers)
                      if lo.recompute == "full" and stack.zero3_regathers_for_recompute else 0.0)
             per_mb = (overlap.hidden_cost(gather, fwd.compute, gather / units, stack.overlap_param_gather)
                       + overlap.hidden_cost(gather + rerun + scatter, bwd.compute, scatter / units,
