@@ -34,13 +34,44 @@ efficiencies; all are per GPU and one direction:
 - `fp8`: whether the tensor cores multiply FP8 (e4m3/e5m2), at twice their bf16 rate
   (Hopper, Ada and Blackwell datasheets: H100 SXM 1,979 dense against 989). Large FP8 GEMMs
   reach about the same share of that peak as bf16 ones (cuBLASLt, 8192^3 on H100 SXM: about
-  1,600 TFLOP/s, 0.81), so `matmul_eff` serves both.
+  1,600 TFLOP/s, 0.81), so `matmul_eff` serves both;
+- `matmul_times`: measured seconds of exact matmul shapes on this device (`ember plan
+  calibrate --model`), which the planner takes instead of its model for those shapes.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+
+class MatmulTimes:
+    """Measured seconds of matmuls by exact shape: (m, n, k, batch) -> seconds, for an
+    (m x k) @ (k x n) product repeated `batch` times. Hashable (the planner caches per GPU)
+    without hashing the whole table on every lookup."""
+
+    def __init__(self, rows):
+        self._times = {(int(m), int(n), int(k), int(batch)): float(s) for m, n, k, batch, s in rows}
+        self._key = tuple(sorted(self._times.items()))
+        self._hash = hash(self._key)
+
+    def get(self, m: float, n: float, k: float, batch: int = 1) -> float | None:
+        return self._times.get((round(m), round(n), round(k), int(batch)))
+
+    def rows(self) -> list[list]:
+        return [[*shape, seconds] for shape, seconds in self._key]
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MatmulTimes) and self._key == other._key
+
+    def __repr__(self) -> str:
+        return f"MatmulTimes({len(self)} shapes)"
 
 
 @dataclass(frozen=True)
@@ -62,6 +93,7 @@ class GPU:
     # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
     # group), which a calibration measures.
     runtime_gib: float = 1.0
+    matmul_times: MatmulTimes | None = None
 
 
 _NV_A100 = dict(sms=108, intra_gbps=300.0, inter_gbps=25.0, matmul_eff=0.86, attn_eff=0.62)

@@ -40,9 +40,12 @@ def test_dry_run_prints_calibration_and_one_bench_per_layout(capsys):
 
 def test_summary_finds_the_measured_fastest_in_the_planners_order():
     bench = _bench()
-    rows = [{"layout": "a", "measured_step_s": 1.0, "predicted_step_s": 1.1},
-            {"layout": "b", "measured_step_s": 2.0, "predicted_step_s": 1.0},
-            {"layout": "c", "measured_step_s": 3.0, "predicted_step_s": 3.3}]
+    rows = [{"layout": "a", "measured_step_s": 1.0, "predicted_step_s": 1.1, "modelled_step_s": 2.5},
+            {"layout": "b", "measured_step_s": 2.0, "predicted_step_s": 1.0, "modelled_step_s": 1.0},
+            {"layout": "c", "measured_step_s": 3.0, "predicted_step_s": 3.3, "modelled_step_s": 1.5}]
     s = bench.summarise(rows)
     assert s["measured_fastest"] == "a" and s["planner_top2"] == ["b", "a"] and s["fastest_in_top2"]
     assert abs(s["median_abs_error"] - 0.1) < 1e-9
+    # The same measurements against the planner's matmul model alone (no measured shapes).
+    m = s["modelled"]
+    assert m["planner_top2"] == ["b", "c"] and not m["fastest_in_top2"] and abs(m["median_abs_error"] - 0.5) < 1e-9

@@ -85,7 +85,9 @@ def _profile(tmp_path):
         "gpu": {"name": "cpu (calibrated)", "peak_bf16_flops": 1e11, "memory_gib": 8, "sms": 2,
                 "hbm_gbps": 20.0, "matmul_eff": 1.0, "hbm_eff": 1.0, "intra_gbps": 0.7, "inter_gbps": 0.7},
         "links": {"gpus_per_node": 2, "intra_gbps": 0.7, "inter_gbps": 0.7, "intra_eff": 1.0,
-                  "intra_latency_s": 1e-3}}))
+                  "intra_latency_s": 1e-3},
+        # A measured matmul (`ember plan calibrate --model`) of a shape this model never runs.
+        "matmuls": {"times": [[3, 5, 7, 1, 1.0]]}}))
     return path
 
 
@@ -97,6 +99,8 @@ def test_bench_of_a_pipeline_sees_its_bubble(dataset, tmp_path):
     assert predicted["step_s"] > 0 and predicted["memory_gib"] > 0 and predicted["bubble_share"] > 0
     # On a CPU the measured peak is the resident set, runtime included: the whole prediction.
     assert predicted["memory_gib"] == predicted["memory_total_gib"]
+    # With measured matmuls in the profile, the matmul model's own figure comes too.
+    assert predicted["modelled_matmuls_step_s"] == predicted["step_s"]
     for rank in result["ranks"]:
         # GPipe on two stages: each stage waits for the other for part of every step.
         assert rank["bubble_s"] > 0 and rank["compute_s"] > 0

@@ -317,10 +317,13 @@ def _collective_sections(device: torch.device, quick: bool, world: int, local_wo
     return out
 
 
-def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_tp_block=None) -> dict | None:
+def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_tp_block=None,
+              model_plan: tuple | None = None) -> dict | None:
     """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0.
     `measure_tp_block(device, iters)`: the eager tensor-parallel block's host cost
-    (ember.tune.host_cost.split_block_host, which `ember plan calibrate` passes in)."""
+    (ember.tune.host_cost.split_block_host, which `ember plan calibrate` passes in).
+    `model_plan` (model, GPUs or None for this node, TrainShape): also time the matmuls the
+    planner prices for that model's layouts (plan/kernels.py) into the profile's `matmuls`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if world > 1 and world % local_world:
@@ -335,6 +338,11 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         dtype = precision_name(autocast_dtype("auto", device))
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}.")
+    # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
+    per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
+    gpus = model_plan[1] if model_plan is not None else None
+    if gpus is not None and gpus > per_node and gpus % per_node:
+        raise ConfigError(f"--gpus {gpus} does not fill whole nodes of {per_node}; use a multiple of {per_node}.")
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -351,15 +359,18 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         tp_block = None
         if measure_tp_block is not None and world > 1 and world == local_world:  # tp stays in a node
             tp_block = measure_tp_block(device, 50 if quick else 300)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return None
-        # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
-        per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
-        known, info = describe_device(device, per_node, idle)
-        profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node, attention,
-                                tp_block)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(out, json.dumps(profile, indent=2) + "\n")
+        profile = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            known, info = describe_device(device, per_node, idle)
+            profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node,
+                                    attention, tp_block)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_text(out, json.dumps(profile, indent=2) + "\n")
+        if model_plan is not None:
+            from ember.plan.kernels import add_model_matmuls
+
+            add_model_matmuls(out, profile, model_plan, per_node, device, torch_dtype,
+                              lambda fn: _slowest(_timed(fn, device, quick_min / 10), device))
         return profile
     finally:
         if started:
@@ -377,6 +388,10 @@ def summary_lines(profile: dict) -> list[str]:
         lines.append(f"causal attention (batch {a['batch']}, {a['heads']} heads, sequence {a['seq']}, head size "
                      f"{a['head_dim']}) {a['tflops'] * 1e3:,.1f} GFLOP/s forward+backward: "
                      f"attn_eff {profile['gpu']['attn_eff']:.3f}")
+    if profile.get("matmuls"):
+        mm = profile["matmuls"]
+        lines.append(f"{len(mm['times'])} matmul shapes of {mm['model']} (sequence {mm['seq_len']}, global batch "
+                     f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them")
     for where in ("intra", "inter"):
         if where in m:
             parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]

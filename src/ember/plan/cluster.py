@@ -18,7 +18,9 @@ Every field but `gpu.name` may be left out: a known GPU starts from its table en
 from the GPU's typical node, the stack from the defaults below. The number of GPUs is not
 part of a profile: one profile describes every size of the same cluster. `ember plan
 calibrate` (plan/calibrate.py) adds a "measured" section with the raw measurements (matmul
-rates by shape, bus bandwidth by message size); the planner reads only gpu, links and stack.
+rates by shape, bus bandwidth by message size), which the planner does not read; with
+`--model` it adds "matmuls", the measured seconds of that model's matmul shapes
+(plan/kernels.py), which it does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from ember.atomic import write_text
 from ember.config import ConfigError
-from ember.hardware import GPU, GPUS, gpu_by_name
+from ember.hardware import GPU, GPUS, MatmulTimes, gpu_by_name
 from ember.plan.comm import Links
 from ember.plan.timing import LOSS_BWD_BYTES, LOSS_FWD_BYTES
 
@@ -181,10 +183,14 @@ class Cluster:
         return f"{self.n_gpus} x {self.gpu.name} ({self.gpus_per_node} per node; {link})"
 
     def profile(self) -> dict:
-        gpu = dataclasses.asdict(self.gpu)
+        gpu = dataclasses.asdict(dataclasses.replace(self.gpu, matmul_times=None))
         gpu.pop("pattern")
-        return {"format": PROFILE_FORMAT, "source": self.source, "gpu": gpu,
-                "links": dataclasses.asdict(self.links), "stack": dataclasses.asdict(self.stack)}
+        gpu.pop("matmul_times")
+        out = {"format": PROFILE_FORMAT, "source": self.source, "gpu": gpu,
+               "links": dataclasses.asdict(self.links), "stack": dataclasses.asdict(self.stack)}
+        if self.gpu.matmul_times is not None:
+            out["matmuls"] = {"times": self.gpu.matmul_times.rows()}
+        return out
 
 
 def _known_gpu(name: str) -> GPU:
@@ -202,7 +208,7 @@ def _fields(cls, values, where: str) -> dict:
     field's kind (a number for numbers, true/false for flags, text for names)."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a JSON object of fields, not {type(values).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "pattern"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("pattern", "matmul_times")}
     unknown = set(values) - set(fields)
     if unknown:
         raise ConfigError(f"{where} has unknown field(s) {', '.join(sorted(unknown))}; "
@@ -218,6 +224,21 @@ def _fields(cls, values, where: str) -> dict:
         if not ok:
             raise ConfigError(f"{where}: {name} = {value!r} is not a valid value for it.")
     return values
+
+
+def _matmul_times(section, path: Path) -> MatmulTimes:
+    """The `matmuls` section (`ember plan calibrate --model`, plan/kernels.py): measured
+    seconds by exact shape, {"times": [[m, n, k, batch, seconds], ...]}."""
+    rows = section.get("times") if isinstance(section, dict) else None
+    good = isinstance(rows, list) and all(
+        isinstance(r, list) and len(r) == 5 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    for v in r)
+        and all(float(v).is_integer() and v >= 1 for v in r[:4]) and math.isfinite(r[4]) and r[4] > 0
+        for r in rows)
+    if not good:
+        raise ConfigError(f"profile file {path}: matmuls.times must be a list of [m, n, k, batch, seconds] "
+                          "with whole positive sizes and positive seconds.")
+    return MatmulTimes(rows)
 
 
 def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
@@ -248,6 +269,8 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
                         **_fields(Links, data.get("links") or {}, f"{path} links")}
         links = Links(**links_values)
         stack = Stack(**_fields(Stack, data.get("stack") or {}, f"{path} stack"))
+        if data.get("matmuls") is not None:
+            gpu = dataclasses.replace(gpu, matmul_times=_matmul_times(data["matmuls"], path))
     except TypeError as err:
         raise ConfigError(f"profile file {path} has a malformed value ({err}).") from None
     return gpu, links, stack, str(data.get("source", f"profile {path.name}"))

@@ -16,7 +16,8 @@ EPILOG = """examples:
   ember plan --model configs/gpt2-small.toml --gpu RTX 4090 --gpus 8 --global-batch 512
   ember plan --model llama3-8b --gpu A800 --gpus 8 --seq-len 8192 --global-batch 512 \\
       --layout tp=1,pp=2,dp=4,zero=1,mbs=1,recompute=selective --json
-  ember plan calibrate --out profile.json                       # measure this machine (or under torchrun)"""
+  ember plan calibrate --out profile.json                       # measure this machine (or under torchrun)
+  ember plan calibrate --out profile.json --model llama3-8b --seq-len 8192 --global-batch 512   # and its matmuls"""
 
 
 def register_plan(verbs, measure_tp_block=None) -> None:
@@ -59,6 +60,11 @@ def register_plan(verbs, measure_tp_block=None) -> None:
                            help="matmul precision (default: what training uses here: bf16 on GPUs that have it, "
                                 "fp16 on older ones, fp32 on CPUs)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes and sizes, shorter timings")
+    calibrate.add_argument("--model", help="also time the matmuls of this model's layouts (a recipe .toml or a "
+                                           "preset), which `ember plan` then takes instead of its matmul model")
+    calibrate.add_argument("--gpus", type=int, help="with --model: the GPUs the layouts are for (default: this node)")
+    calibrate.add_argument("--seq-len", type=int, help="with --model: tokens per sequence (default: the model's)")
+    calibrate.add_argument("--global-batch", type=int, help="with --model: sequences per optimizer step")
     calibrate.set_defaults(func=run_calibrate, measure_tp_block=measure_tp_block)
 
 
@@ -209,6 +215,26 @@ def _command(p, model, recipe, cluster, shape) -> str | None:
     return report.train_command(p, model, recipe, cluster, shape)
 
 
+def _model_plan(args) -> tuple | None:
+    """(model, GPUs, shape) whose matmuls a calibration times, checked before it measures."""
+    given = [f"--{k.replace('_', '-')}" for k in ("gpus", "seq_len", "global_batch") if getattr(args, k) is not None]
+    if args.model is None:
+        if given:
+            raise ConfigError(f"{', '.join(given)} only say which matmuls to time; give the model with --model.")
+        return None
+    from ember.plan.layout import TrainShape
+    from ember.plan.models import resolve_model
+
+    model, _ = resolve_model(args.model)
+    if args.global_batch is None:
+        raise ConfigError("with --model, say the global batch (sequences per step) with --global-batch.")
+    seq = args.seq_len or model.max_seq_len
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", seq), ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, not {value}.")
+    return model, args.gpus, TrainShape(seq, args.global_batch)
+
+
 def run_calibrate(args) -> int:
     from pathlib import Path
 
@@ -217,7 +243,7 @@ def run_calibrate(args) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
-    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_tp_block", None))
+    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_tp_block", None), _model_plan(args))
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0

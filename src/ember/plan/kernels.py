@@ -1,0 +1,86 @@
+"""The matmuls of one model's layouts, timed on this device (`ember plan calibrate --model`).
+
+The planner prices a matmul from its shape (plan/timing.py: tiles, waves, the K loop), a
+model that is smooth in the shape and fitted to a few large GEMMs per GPU. GEMM libraries
+choose a kernel per shape, and how far a given shape lands from the smooth curve on a given
+GPU and library version is not something a formula can know. Timing the exact shapes a
+model's layouts run takes that part of the error out for that model on that machine; the
+rest of the step (attention, elementwise work, communication, the host) is still modelled.
+
+So a calibration given a model asks the planner which matmuls it prices for that model's
+layouts that fit (every (m, n, k, batch) it looks up, the backward's too), times each one
+here, and stores the seconds in the profile (`matmuls`); the planner then takes the
+measured time for those exact shapes (hardware.MatmulTimes) and its model for the rest.
+The times are of the calibration's dtype (bf16 on GPUs that have it); FP8 matmuls are
+always modelled. Each is timed as a plain (m x k) @ (k x n) product, while a backward pass
+multiplies transposed operands, which libraries run as other kernels at similar rates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ember.atomic import write_text
+from ember.plan.layout import TrainShape
+from ember.plan.search import rank, search
+from ember.plan.timing import matmul_s, recording_matmuls
+
+
+# Matmuls the model prices above this are left to it: with many waves of tiles and a long K
+# loop a GEMM runs near the steady rate the model gives it (its error is in small and
+# middling shapes), and timing a 100-GFLOP weight gradient a dozen times would make a
+# calibration take hours. With the cap a model's few hundred shapes take about a minute.
+MAX_TIMED_S = 0.02
+
+
+def priced_matmuls(model, cluster, shape: TrainShape) -> list[tuple[int, int, int, int]]:
+    """Every (m, n, k, batch) the planner prices for the layouts of `model` on `cluster`
+    that fit (or, if none fits, for all of them) and models at MAX_TIMED_S or less, in a
+    stable order."""
+    result = search(model, cluster, shape)
+    layouts = [p.layout for p in (result.ranked or result.too_big)]
+    with recording_matmuls() as shapes:
+        rank(model, cluster, shape, layouts)
+    return sorted(s for s in shapes if min(s) >= 1 and matmul_s(*s[:3], cluster.gpu, s[3]) <= MAX_TIMED_S)
+
+
+def time_matmuls(shapes, device: torch.device, dtype: torch.dtype, timer) -> list[list]:
+    """[m, n, k, batch, seconds] of each shape: (m x k) @ (k x n), `batch` times in one
+    batched call. `timer(fn)` gives seconds per call (the calibration's, which every rank
+    runs at once and which keeps the slowest rank's time). A shape that does not fit in
+    this device's memory is left to the model."""
+    rows = []
+    for m, n, k, batch in shapes:
+        lead = (batch,) if batch > 1 else ()
+        try:
+            a = torch.randn(*lead, m, k, device=device, dtype=dtype)
+            b = torch.randn(*lead, k, n, device=device, dtype=dtype)
+            rows.append([m, n, k, batch, timer(lambda: torch.matmul(a, b))])
+        except torch.OutOfMemoryError:
+            continue
+        finally:
+            a = b = None
+    return rows
+
+
+def add_model_matmuls(out: Path, profile: dict | None, model_plan: tuple, per_node: int, device: torch.device,
+                      dtype: torch.dtype, timer) -> None:
+    """The calibration's last step: every rank times the shapes at once (`timer` keeps the
+    slowest rank's time); rank 0 (`profile` given) adds them to the profile it wrote to
+    `out` and writes it again. `model_plan`: (model, GPUs or None for this node, shape)."""
+    from ember.plan.cluster import make_cluster
+
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written the profile the shapes are found with
+    model, gpus, shape = model_plan
+    cluster = make_cluster(None, gpus or per_node, profile=out)
+    rows = time_matmuls(priced_matmuls(model, cluster, shape), device, dtype, timer)
+    if profile is not None:
+        profile["matmuls"] = {"model": model.name, "gpus": cluster.n_gpus, "seq_len": shape.seq_len,
+                              "global_batch": shape.global_batch, "dtype": profile["measured"]["dtype"],
+                              "times": rows}
+        write_text(out, json.dumps(profile, indent=2) + "\n")
