@@ -96,6 +96,8 @@ def test_calibrate_with_a_model_times_its_matmuls_and_plan_takes_them(tmp_path, 
     assert main(["plan", "--profile", str(out), "--model", str(recipe), "--gpus", "2", "--global-batch", "8",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layouts_fitting"] > 0
+    assert main(["plan", "--profile", str(out), "--model", str(recipe), "--gpus", "2", "--global-batch", "8"]) == 0
+    assert f"({len(expected)} matmul shapes measured)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -63,7 +63,8 @@ def header(model, cluster: Cluster, shape: TrainShape) -> str:
             f"hidden, {model.heads} heads" + (f" ({model.kv_heads} kv)" if model.kv_heads != model.heads else "")
             + f"\n{cluster.describe()}\nsequence {shape.seq_len}, global batch {shape.global_batch} sequences "
             f"({shape.tokens:,} tokens), {shape.precision}; {cluster.stack.attention} attention, "
-            f"{cluster.stack.grad_dtype} gradients; profile: {cluster.source}")
+            f"{cluster.stack.grad_dtype} gradients; profile: {cluster.source}"
+            + (f" ({len(cluster.gpu.matmul_times)} matmul shapes measured)" if cluster.gpu.matmul_times else ""))
 
 
 def table(predictions: list[Prediction]) -> Table:
