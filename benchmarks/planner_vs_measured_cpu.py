@@ -77,9 +77,9 @@ def write_recipe(folder: Path, data: Path) -> Path:
     """The benchmark's model as a recipe of its own (the planner needs the vocabulary size,
     which tiny-gpt.toml leaves to the data): what `ember plan calibrate --model` times."""
     from ember.config import load_config, to_toml
+    from ember.data.manifest import load_manifest
 
-    vocab = json.loads((data / "manifest.json").read_text())["vocab_size"] if (data / "manifest.json").exists() \
-        else 2048
+    vocab = load_manifest(data)["vocab_size"]
     recipe = folder / "model.toml"
     recipe.write_text(to_toml(load_config(RECIPE, MODEL + [f"model.vocab_size={vocab}"])))
     return recipe

@@ -42,6 +42,7 @@ def test_the_recorded_shapes_are_every_matmul_a_prediction_prices(name, seq):
     # token counts are timed at the nearest whole count: a few parts in ten thousand).
     model, cluster, shape = PRESETS[name], make_cluster("H100", 8), TrainShape(seq, 64)
     shapes = priced_matmuls(model, cluster, shape)
+    assert priced_matmuls(model, cluster, shape) == shapes  # priced afresh, not answered from a cache
     assert len(shapes) > 20 and all(matmul_s(*s[:3], cluster.gpu, s[3]) <= MAX_TIMED_S for s in shapes)
     table = MatmulTimes([[*s, 2 * matmul_s(*s[:3], cluster.gpu, s[3])] for s in shapes])
     timed = replace(cluster, gpu=replace(cluster.gpu, matmul_times=table))

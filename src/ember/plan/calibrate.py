@@ -95,13 +95,11 @@ def _slowest(value: float, device: torch.device) -> float:
 
 def measure_matmuls(device: torch.device, dtype: torch.dtype, sizes, min_time: float) -> list[dict]:
     """TFLOP/s of square and tall matmuls (M x K @ K x N), the slowest rank's."""
-    shapes = [(s, s, s) for s in sizes] + [(4 * sizes[-1], sizes[-1], sizes[-1] // 4 or 1)]
-    out = []
-    for m, n, k in shapes:
-        pair = (torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
-        seconds = _slowest(_timed(lambda: pair[0] @ pair[1], device, min_time), device)
-        out.append({"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12})
-    return out
+    from ember.plan.kernels import time_matmuls
+
+    shapes = [(s, s, s, 1) for s in sizes] + [(4 * sizes[-1], sizes[-1], sizes[-1] // 4 or 1, 1)]
+    rows = time_matmuls(shapes, device, dtype, lambda fn: _slowest(_timed(fn, device, min_time), device))
+    return [{"m": m, "n": n, "k": k, "tflops": 2.0 * m * n * k / seconds / 1e12} for m, n, k, _, seconds in rows]
 
 
 def measure_attention(device: torch.device, dtype: torch.dtype, shape, min_time: float) -> dict:

@@ -19,15 +19,17 @@ multiplies transposed operands, which libraries run as other kernels at similar 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ember.atomic import write_text
+from ember.hardware import MatmulTimes
 from ember.plan.layout import TrainShape
 from ember.plan.search import rank, search
-from ember.plan.timing import matmul_s, recording_matmuls
+from ember.plan.timing import matmul_s
 
 
 # Matmuls the model prices above this are left to it: with many waves of tiles and a long K
@@ -44,9 +46,26 @@ def priced_matmuls(model, cluster, shape: TrainShape) -> list[tuple[int, int, in
     stable order."""
     result = search(model, cluster, shape)
     layouts = [p.layout for p in (result.ranked or result.too_big)]
-    with recording_matmuls() as shapes:
-        rank(model, cluster, shape, layouts)
-    return sorted(s for s in shapes if min(s) >= 1 and matmul_s(*s[:3], cluster.gpu, s[3]) <= MAX_TIMED_S)
+    recorder = _Recorder()
+    rank(model, replace(cluster, gpu=replace(cluster.gpu, matmul_times=recorder)), shape, layouts)
+    return sorted(s for s in recorder.shapes if min(s) >= 1 and matmul_s(*s[:3], cluster.gpu, s[3]) <= MAX_TIMED_S)
+
+
+class _Recorder(MatmulTimes):
+    """A table with no times that notes every shape the planner looks up in it (every bf16
+    matmul it prices: FP8 ones never look). Equal only to itself, so the planner's
+    per-layer caches price afresh for it rather than answer from an earlier GPU's entries."""
+
+    def __init__(self):
+        super().__init__([])
+        self.shapes: set[tuple[int, int, int, int]] = set()
+
+    def get(self, m: float, n: float, k: float, batch: int = 1) -> None:
+        self.shapes.add((round(m), round(n), round(k), int(batch)))
+        return None
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
 
 def time_matmuls(shapes, device: torch.device, dtype: torch.dtype, timer) -> list[list]:

@@ -66,7 +66,6 @@ ones.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -95,24 +94,6 @@ FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed wr
 FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
 
 
-_recording: set | None = None
-
-
-@contextmanager
-def recording_matmuls():
-    """Collect the (m, n, k, batch) of every bf16 matmul priced inside the block: the shapes
-    `ember plan calibrate --model` times. The per-layer caches are cleared on entry, so
-    shapes priced before are priced (and seen) again."""
-    global _recording
-    for cached in (layer_times, head_times, embed_times):
-        cached.cache_clear()
-    _recording = shapes = set()
-    try:
-        yield shapes
-    finally:
-        _recording = None
-
-
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
     waves = batch * m * n / (TILE_M * TILE_N * gpu.sms)
     k_overhead = K_OVERHEAD * (FP8_SPEEDUP if fp8 else 1)
@@ -120,8 +101,6 @@ def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bo
 
 
 def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
-    if _recording is not None and not fp8:
-        _recording.add((round(m), round(n), round(k), batch))
     if gpu.matmul_times is not None and not fp8:  # measured on this GPU (`ember plan calibrate --model`)
         measured = gpu.matmul_times.get(m, n, k, batch)
         if measured is not None:
