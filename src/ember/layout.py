@@ -165,7 +165,7 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
         names = ("pp", "dp_replicate", "dp_shard", "tp") + (("cp",) if lo.cp > 1 else ())
         sizes = " x ".join(str(getattr(lo, name)) for name in names)
         out.append(f"the layout {' x '.join(names)} = {sizes} = {lo.gpus} must equal the world size {world} "
-                   "(processes started by torchrun)")
+                   "(the processes torchrun starts, or --gpus when planning)")
     if lo.cp > 1 and ember:
         out.append(f"context parallelism (cp={lo.cp}) is not something ember's trainer runs; split long sequences "
                    "with tensor and sequence parallelism, or price other software with --stack")
