@@ -36,7 +36,6 @@ from ember.plan.models import PRESETS
 from ember.plan.report import overlaps
 from ember.plan.search import search
 from ember.plan.stacks import stack
-from ember.plan.uncertainty import kind
 
 REPO = Path(__file__).resolve().parents[1]
 # Narayanan et al. 2021 (arXiv 2104.04473), table 2: GPT-3 175B at global batch 1,536 with
@@ -143,7 +142,7 @@ def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int]]:
     for res in results:
         for r in res["records"] if not res["unseen"] else ():
             if r["error"] is not None:
-                by_kind.setdefault(kind(r["prediction"].layout, r["run"].shape.precision), []).append(r["error"])
+                by_kind.setdefault(r["prediction"].interval["kind"], []).append(r["error"])
     return {k: (percentile(v, 0.1), percentile(v, 0.9), len(v)) for k, v in sorted(by_kind.items())}
 
 

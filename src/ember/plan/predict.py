@@ -125,8 +125,9 @@ def lockstep_s(forward: list[float], backward: list[float], micro_batches: int) 
     return total, total - micro_batches * max(fi + bi for fi, bi in zip(forward, backward))
 
 
-def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work]:
-    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`."""
+def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
+    """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and how
+    far the slower pass sits above the larger of its host and GPU time (`_as_run`)."""
     stack, width = cluster.stack, element_width(shape)
     fp8 = shape.precision == "fp8"
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
@@ -167,7 +168,9 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     bwd = bwd + Work(elementwise=accumulate)
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
-    return _as_run(fwd, fwd_kernels, stack, fwd_host) + between, _as_run(bwd, bwd_kernels, stack, bwd_host)
+    (fwd, fwd_cross), (bwd, bwd_cross) = _as_run(fwd, fwd_kernels, stack, fwd_host), _as_run(bwd, bwd_kernels, stack,
+                                                                                               bwd_host)
+    return fwd + between, bwd, max(fwd_cross, bwd_cross)
 
 
 def fp8_weight_cast_s(model, shape: TrainShape, lo: Layout, stage: int, gpu) -> float:
@@ -186,7 +189,7 @@ def tp_collectives(lo: Layout) -> int:
     return 0 if lo.tp <= 1 else (4 if lo.sp else 2)
 
 
-def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Work:
+def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> tuple[Work, float]:
     """`work` as `stack` runs it: its matmuls at `kernel_eff` and its fused attention at
     `attention_eff` of the planner's rates, and the pass no faster than the host can issue its `kernels` host calls.
 
@@ -198,17 +201,21 @@ def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> Wor
     the larger term far from the crossover, 2^(1/p) times it at the crossover (1.19 for the
     fitted p = 4). Where
     the host shares its cores with the compute (a CPU: `stack.host_overlaps` false) the
-    two add. `extra_host_s`: host work beyond the calls (eager tensor parallelism's)."""
+    two add. `extra_host_s`: host work beyond the calls (eager tensor parallelism's).
+
+    Also returns the pass time over max(host, GPU): 1 far from the crossover, up to 2^(1/p)
+    at it. Near it the measured cost is the least certain (`uncertainty.CROSSOVER`)."""
     if stack.kernel_eff != 1.0 or stack.attention_eff != 1.0:
         work = Work(work.matmul / stack.kernel_eff, work.attention / stack.attention_eff, work.elementwise,
                     work.tp_comm, work.launch)
     host, device = kernels * stack.host_s_per_kernel + extra_host_s, work.total
     if not stack.host_overlaps:
-        return work + Work(launch=host)
+        return work + Work(launch=host), 1.0
     if host <= 0 or device <= 0:
-        return work + Work(launch=max(0.0, host - device))
+        return work + Work(launch=max(0.0, host - device)), 1.0
     p = HOST_OVERLAP_POWER
-    return work + Work(launch=(host**p + device**p) ** (1 / p) - device)
+    run = (host**p + device**p) ** (1 / p)
+    return work + Work(launch=run - device), run / max(host, device)
 
 
 def boundary_s(model, shape: TrainShape, lo: Layout, groups: dict, links, slices: bool = True) -> float:
@@ -250,7 +257,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     # weights gathered over the micro-batches (ember, torchtitan).
     deferred = defers_reduction(lo, stack)
     for i in stages:
-        fwd, bwd = passes[i]
+        fwd, bwd, _ = passes[i]
         params = stage_params(model, lo, i)
         grads = params * grad_bytes
         buckets = _reduction_units(model, lo, i, params, grads, shard, stack)
@@ -321,11 +328,13 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "matmul_s": m * work.matmul, "attention_s": m * work.attention,
               "elementwise_s": m * work.elementwise, "launch_s": m * work.launch,
               "recompute_s": m * _recompute_s(model, cluster, shape, lo),
-              "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer}
+              "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer,
+              "host_crossover": passes[slowest][2]}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention, stack)
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
-                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision))
+                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision,
+                                                          passes[slowest][2]))
 
 
 def _edge_units(model, lo: Layout, stage: int) -> int:

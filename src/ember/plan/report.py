@@ -116,6 +116,10 @@ def interval_notes(ranked: list[Prediction]) -> list[str]:
     lo, hi = best.interval["mfu"]
     if best.interval.get("note"):
         notes.append(best.interval["note"] + f"; expect {100 * lo:.0f}-{100 * hi:.0f}% MFU ('!' in the table).")
+    if best.interval.get("kind") == "crossover":
+        notes.append("the best layout's kernel launches take about as long as its GPU work, where measured steps "
+                     "spread widest (an eager host cost priced as a soft maximum); a larger micro-batch, CUDA "
+                     "graphs or torch.compile move a run off it.")
     close = ties(ranked)
     if close > 1:
         notes.append(f"{close} layouts are within the best's interval ({100 * lo:.0f}-{100 * hi:.0f}% MFU, the "
