@@ -9,7 +9,7 @@ from ember.layout import Layout
 from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
 from ember.plan.predict import pipeline_s, predict
-from ember.plan.timing import matmul_efficiency, matmul_s
+from ember.plan.timing import K_OVERHEAD, k_overhead, matmul_efficiency, matmul_s
 
 A100 = gpu_by_name("A100-80GB")
 
@@ -28,6 +28,22 @@ def test_small_matmuls_run_far_below_peak_and_efficiency_is_smooth():
     # A skinny matmul is bound by memory: at one row it costs about its bytes at HBM speed.
     weights = 2 * 8192 * 8192 / (A100.hbm_gbps * 1e9 * A100.hbm_eff)
     assert weights < matmul_s(1, 8192, 8192, A100) < 1.15 * weights
+
+
+def test_a_tiles_fixed_cost_in_k_steps_grows_with_flops_per_byte():
+    """The prologue and epilogue wait on memory while a K step is tensor-core work: an H100
+    (989 TFLOP/s on 3.35 TB/s) pays 1.93x an A100's 64 steps, FP8 twice that again, and a
+    device below an A100's balance keeps 64. So a thin-K matmul loses more on an H100."""
+    h100, v100 = gpu_by_name("H100"), gpu_by_name("V100")
+    assert k_overhead(A100) == K_OVERHEAD and k_overhead(v100) == K_OVERHEAD
+    assert k_overhead(h100) == pytest.approx(K_OVERHEAD * (989 / 3350) / (312 / 2039), rel=1e-3)
+    assert k_overhead(h100, fp8=True) == pytest.approx(2 * k_overhead(h100))
+
+    def loss(gpu, k):  # the share of the best rate a k-deep matmul gives up to the fixed cost
+        return 1 - matmul_efficiency(8192, 8192, k, gpu) / matmul_efficiency(8192, 8192, 1e9, gpu)
+
+    assert loss(h100, 1024) == pytest.approx(k_overhead(h100) / (1024 + k_overhead(h100)), rel=1e-3)
+    assert loss(h100, 1024) > 1.8 * loss(A100, 1024)
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 16, 1), (8, 32, 1), (4, 16, 2), (8, 64, 4)])

@@ -7,11 +7,15 @@ tile is 256 x 128: the kernels cuBLAS picks for the large bf16 GEMMs of training
 `ampere_bf16_s16816gemm_bf16_256x128_...` on A100 and `sm90_xmma_gemm_..._tilesize128x256x64`
 on H100 (the names profiles of Megatron-LM show; CUTLASS's default SM80 tensor-op tile is
 the same size). The last wave is on average half empty, so with w = tiles / SMs waves the SMs
-are busy w / (w + 1/2) of the time. Each tile also pays a fixed prologue and epilogue, about
-64 steps of its K loop, so the main loop runs K / (K + 64) of the time. Times the best
-efficiency measured on the GPU (`matmul_eff`, see hardware.py):
+are busy w / (w + 1/2) of the time. Each tile also pays a fixed prologue and epilogue
+(filling its operand pipeline, writing its output), about k0 = 64 steps of its K loop on an
+A100, so the main loop runs K / (K + k0) of the time. They wait on memory where a K step is
+tensor-core work, so k0 grows with FLOPs per byte of HBM: 64 · max(1, balance / A100's), 123
+on an H100 SXM (989 TFLOP/s over 3.35 TB/s), twice that in FP8; no public run goes below an
+A100's balance (V100; CPUs, where tiles are not the picture). Times the best efficiency
+measured on the GPU (`matmul_eff`, see hardware.py):
 
-    eff(M, N, K) = matmul_eff · w/(w + 0.5) · K/(K + 64),  w = M·N / (256·128 · SMs)
+    eff(M, N, K) = matmul_eff · w/(w + 0.5) · K/(K + k0),  w = M·N / (256·128 · SMs)
 
 A smooth function of the dimensions after tensor-parallel splits: on an A100 an [8192,
 8192] x [8192, 8192] matmul runs at 0.83 of peak, an [8192, 4096] x [4096, 512] one (a
@@ -47,7 +51,7 @@ torchao's float8 training run them (tensor-wise scales; forward, input gradient 
 gradient all in FP8), at twice the bf16 peak on GPUs that have it; the attention core, the
 output layer and everything else stay bf16. A K step of the tile's main loop then takes
 half as long while its prologue and epilogue (loading, writing the bf16 output) do not, so
-the fixed cost is 2 x 64 K steps; operands move 1 byte per element. Each matmul's input is
+the fixed cost is 2 x k0 K steps; operands move 1 byte per element. Each matmul's input is
 cast forward and its output gradient backward: read in bf16, written in FP8 and FP8
 transposed (Hopper's FP8 GEMMs take only the TN layout), 4 bytes per element, one kernel
 each. The weights' casts are paid once per step (plan/predict.py).
@@ -75,7 +79,8 @@ from ember.cost import gated, kv_hidden, layer_matmuls
 
 TILE_M, TILE_N = 256, 128
 SIMT_RATIO = 16  # bf16 tensor-core peak over fp32 CUDA-core FMA peak: A100 312/19.5, H100 989/67
-K_OVERHEAD = 64
+K_OVERHEAD = 64  # K steps of a tile's prologue and epilogue on an A100
+A100_FLOPS_PER_BYTE = 312e12 / 2039e9  # bf16 peak over HBM bandwidth, where K_OVERHEAD was read
 WAVE_TAIL = 0.5
 ATTN_SEQ = 512
 ATTN_HEAD = 24
@@ -94,10 +99,15 @@ FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed wr
 FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
 
 
+def k_overhead(gpu, fp8: bool = False) -> float:
+    """A tile's fixed cost in steps of its K loop (module docstring)."""
+    balance = gpu.peak_bf16_flops * (FP8_SPEEDUP if fp8 else 1) / (gpu.hbm_gbps * 1e9)
+    return K_OVERHEAD * max(1.0, balance / A100_FLOPS_PER_BYTE)
+
+
 def matmul_efficiency(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
     waves = batch * m * n / (TILE_M * TILE_N * gpu.sms)
-    k_overhead = K_OVERHEAD * (FP8_SPEEDUP if fp8 else 1)
-    return gpu.matmul_eff * waves / (waves + WAVE_TAIL) * k / (k + k_overhead)
+    return gpu.matmul_eff * waves / (waves + WAVE_TAIL) * k / (k + k_overhead(gpu, fp8))
 
 
 def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = False) -> float:
