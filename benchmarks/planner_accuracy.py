@@ -190,6 +190,7 @@ def layer_sweep(records: list[dict]) -> list[str]:
         runs.setdefault(key, {})[run.model.layers] = r
     lines: dict[tuple, list[tuple[int, float, float]]] = {}
     slopes: dict[int, list[float]] = {}
+    passes: dict[tuple, list[list[float]]] = {}
     for key, by_layers in runs.items():
         if 12 not in by_layers or 24 not in by_layers:
             continue
@@ -199,6 +200,8 @@ def layer_sweep(records: list[dict]) -> list[str]:
         slope = [(step[1][i] - step[0][i]) / 12 for i in (0, 1)]
         intercept = [step[0][i] - 12 * slope[i] for i in (0, 1)]
         slopes.setdefault(key[3], []).append(slope[0] / slope[1])
+        # One layer's forward, recomputation and backward for one micro-batch on its stage.
+        passes.setdefault((key[6], key[3], key[2]), []).append([x * key[5] / m for x in slope])
         lines.setdefault(key[2:], []).append((m, intercept[0] - intercept[1]))
     per_mb: dict[int, list[float]] = {}
     for key, points in lines.items():
@@ -212,6 +215,12 @@ def layer_sweep(records: list[dict]) -> list[str]:
     for tp in sorted(slopes):
         extra = f"{1e3 * statistics.median(per_mb[tp]):+.1f} ms" if tp in per_mb else "-"
         out.append(f"{tp:>4}{statistics.median(slopes[tp]):>31.3f}{extra:>39}")
+    # Where host and GPU time cross, the measured pass is not smooth in the micro-batch.
+    out.append("one layer pass (forward, recompute, backward) per micro-batch, ms, medians over layouts:")
+    out.append(f"{'h':>6}{'tp':>4}{'mbs':>5}{'measured':>10}{'predicted':>11}")
+    for (h, tp, mbs), cells in sorted(passes.items()):
+        out.append(f"{h:>6}{tp:>4}{mbs:>5}{1e3 * statistics.median(c[0] for c in cells):>10.2f}"
+                   f"{1e3 * statistics.median(c[1] for c in cells):>11.2f}")
     return out
 
 
