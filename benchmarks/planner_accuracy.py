@@ -137,13 +137,19 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int]]:
-    by_kind: dict[str, list[float]] = {}
+def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int, float, float]]:
+    """Per interval kind: p10, p90, rows, median |error| and the share inside the interval."""
+    by_kind: dict[str, list[dict]] = {}
     for res in results:
         for r in res["records"] if not res["unseen"] else ():
             if r["error"] is not None:
-                by_kind.setdefault(r["prediction"].interval["kind"], []).append(r["error"])
-    return {k: (percentile(v, 0.1), percentile(v, 0.9), len(v)) for k, v in sorted(by_kind.items())}
+                by_kind.setdefault(r["prediction"].interval["kind"], []).append(r)
+    table = {}
+    for k, rows in sorted(by_kind.items()):
+        errors = [r["error"] for r in rows]
+        table[k] = (percentile(errors, 0.1), percentile(errors, 0.9), len(rows),
+                    statistics.median(abs(e) for e in errors), sum(bool(r["inside"]) for r in rows) / len(rows))
+    return table
 
 
 def zero3_scaling() -> list[str]:
@@ -286,8 +292,9 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
                 lines.append(f"  of which {label}: held out {fmt(summarise([r for r in part if r['run'].held_out]))}")
         lines.append("")
     lines.append("interval table (plan/uncertainty.py ERROR_PERCENTILES), all rows of the public sets:")
-    for k, (p10, p90, n) in interval_table(results).items():
-        lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows)")
+    for k, (p10, p90, n, median, inside) in interval_table(results).items():
+        lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows; median |err| {100 * median:.1f}%, "
+                     f"{100 * inside:.0f}% inside)")
     vtrain = next((res for res in results if res["name"] == "vtrain"), None)
     lines += [""] + zero3_scaling() + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
     lines += ["", "rows of every set but vtrain:"]

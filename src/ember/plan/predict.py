@@ -168,8 +168,8 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     bwd = bwd + Work(elementwise=accumulate)
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
-    (fwd, fwd_cross), (bwd, bwd_cross) = _as_run(fwd, fwd_kernels, stack, fwd_host), _as_run(bwd, bwd_kernels, stack,
-                                                                                               bwd_host)
+    fwd, fwd_cross = _as_run(fwd, fwd_kernels, stack, fwd_host)
+    bwd, bwd_cross = _as_run(bwd, bwd_kernels, stack, bwd_host)
     return fwd + between, bwd, max(fwd_cross, bwd_cross)
 
 
@@ -316,6 +316,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     step = pipeline + dp_exposed + optimizer
 
     work, zero3 = parts[slowest]
+    crossover = passes[slowest][2]
     tokens = shape.tokens
     per_gpu = tokens / step / cluster.n_gpus
     model_flops = model_flops_per_token(model, shape.seq_len, model.predicted_fraction)
@@ -329,12 +330,11 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
               "elementwise_s": m * work.elementwise, "launch_s": m * work.launch,
               "recompute_s": m * _recompute_s(model, cluster, shape, lo),
               "pipeline_s": pipeline, "dp_exposed_s": dp_exposed, "optimizer_s": optimizer,
-              "host_crossover": passes[slowest][2]}
+              "host_crossover": crossover}
     mem = memory(model, lo, shape, gpu, grad_bytes, stack.attention, stack)
     mfu = per_gpu * model_flops / gpu.peak_bf16_flops
     return Prediction(lo, step, per_gpu, per_gpu * model_flops / 1e12, per_gpu * hw_flops / 1e12, mfu, mem,
-                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision,
-                                                          passes[slowest][2]))
+                      shares, detail, uncertainty.interval(lo, gpu.name, per_gpu, mfu, shape.precision, crossover))
 
 
 def _edge_units(model, lo: Layout, stage: int) -> int:

@@ -99,8 +99,7 @@ FP8_CAST_BYTES = 4  # per element cast: bf16 read (2), FP8 and FP8-transposed wr
 FP8_CAST_KERNELS = 4  # one cast per weight matmul's input (forward) or output gradient (backward)
 
 
-def k_overhead(gpu, fp8: bool = False) -> float:
-    """A tile's fixed cost in steps of its K loop (module docstring)."""
+def k_overhead(gpu, fp8: bool = False) -> float:  # a tile's fixed cost in K steps (module docstring)
     balance = gpu.peak_bf16_flops * (FP8_SPEEDUP if fp8 else 1) / (gpu.hbm_gbps * 1e9)
     return K_OVERHEAD * max(1.0, balance / A100_FLOPS_PER_BYTE)
 

@@ -9,11 +9,11 @@ and copied here; rerun it after changing the cost model.
 
 Layouts where the host's kernel launches take about as long as the GPU's work are a kind of
 their own, whatever their split: there the planner prices the pass as a soft maximum of the
-two (plan/predict.py: _as_run), and measured runs pay anything from nothing to 1.4 times the
-larger (vTrain's sweep: tp 4 at micro-batch 2 and tp 2 at micro-batch 2 of the same model),
-so their errors spread about 1.5 times as wide. A pass counts as at the crossover when the
-soft maximum puts it more than CROSSOVER above the larger term (host and GPU time within
-about 1.5x of each other).
+two (plan/predict.py: _as_run), and measured runs pay anything from nothing to about 1.4
+times the larger (vTrain's h = 2048 model: tp 4 at micro-batch 2 nothing, tp 2 at micro-batch
+2 about 1.4x), so their errors spread wider (the interval table of planner_accuracy.py). A
+pass counts as at the crossover when the soft maximum puts it more than CROSSOVER above the
+larger term (host and GPU time within about 1.5x of each other).
 
 A prediction whose MFU exceeds the best MFU published for its GPU class is beyond what the
 public sets can vouch for: its interval is widened down to that figure, and the ranking
