@@ -48,3 +48,16 @@ def test_a_pipeline_searches_zero1_once_not_zero2_and_3_beside_it():
     assert {1, 2, 3} <= {lo.zero for lo in flat}
     pinned = search(model, cluster, shape, fixed={"pp": 2, "zero": 3}).ranked
     assert pinned and all(p.layout.zero == 3 for p in pinned)
+
+
+def test_a_layout_with_no_micro_batch_per_step_is_refused_not_priced_as_free():
+    import pytest
+
+    from ember.config import ConfigError
+    from ember.layout import Layout
+    from ember.plan.search import rank
+
+    model, cluster, shape = PRESETS["gpt2-small"], make_cluster("A100-80GB", 8), TrainShape(1024, 16)
+    assert rank(model, cluster, shape, [Layout(dp_replicate=8, micro_batch=2)])[0].step_time_s > 0
+    with pytest.raises(ConfigError, match="at least dp x mbs = 32"):
+        rank(model, cluster, shape, [Layout(dp_replicate=8, micro_batch=4)])

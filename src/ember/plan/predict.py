@@ -245,6 +245,9 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     check_precision(gpu, shape.precision)
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node, lo.cp)
     m = lo.micro_batches(shape.global_batch)
+    if m < 1:  # a step with no micro-batch would price as free
+        raise ConfigError(f"layout {lo.text()} needs at least dp x mbs = {lo.dp * lo.micro_batch} sequences "
+                          f"per step; the global batch is {shape.global_batch}.")
     grad_bytes, weight_bytes = gradient_bytes(stack, shape), 2 * element_width(shape)
     p2p = 2 * lo.vpp * boundary_s(model, shape, lo, groups, links, stack.p2p_slices) if lo.pp > 1 else 0.0
 
