@@ -85,6 +85,10 @@ def evaluate_runs(name: str, runs: list, skipped: dict, unseen: bool = False) ->
             reason = f"{run.label} ({run.source}): {e}"
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
+        except Exception as e:  # a file's row the planner fails on is reported, not the end of the check
+            reason = f"{run.label} ({run.source}): planner failed, {type(e).__name__}: {e}"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
         error = (p.tokens_per_s_per_gpu - run.measured) / run.measured if run.measured else None
         lo, hi = p.interval["tokens_per_s_per_gpu"]
         inside = lo <= run.measured <= hi if error is not None else None

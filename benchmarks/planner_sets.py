@@ -367,11 +367,11 @@ def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, token
 def runs_in_file(path: Path, name: str) -> tuple[list[Run], dict[str, int]]:
     """Every run in a file given with --csv, all unseen: vTrain's columns (any of its measured
     files, one node or several of 8 GPUs) or published_runs_more.csv's."""
-    from vtrain_runs import VTRAIN_COLUMNS, vtrain
+    from vtrain_runs import is_vtrain, vtrain
 
     with path.open(encoding="utf-8-sig") as f:
         header = next(csv.reader(f), [])
-    if all(c in header for c in VTRAIN_COLUMNS):
+    if is_vtrain(header):
         return vtrain(path, name=name, unseen=True)
     return published_runs_more(path, name=name, unseen=True)
 
@@ -383,7 +383,9 @@ def predict(run: Run):
 
     if run.layout is not None:
         return rank(run.model, run.cluster, run.shape, [run.layout])[0]
-    return search(run.model, run.cluster, run.shape, fixed=run.fixed, ember_only=False).best
+    result = search(run.model, run.cluster, run.shape, fixed=run.fixed, ember_only=False)
+    # The run did fit: where the planner thinks no layout does, the leanest is the one it ran.
+    return result.best if result.ranked else min(result.too_big, key=lambda p: p.memory.total)
 
 
 def load(name: str) -> tuple[list[Run], dict[str, int]]:

@@ -208,13 +208,6 @@ def test_a_missing_or_malformed_runs_file_is_refused_before_any_work(accuracy, t
     assert accuracy.main(["--no-write", "--csv", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "is not a file of runs in published_runs_more.csv's columns or vTrain's" in err and "Traceback" not in err
-    vtrain = tmp_path / "vtrain.csv"  # vTrain's columns, a value that is not a number
-    vtrain.write_text("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
-                      "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
-                      "8,32,x,1024,16,12,1024,2,2,2,300.0\n")
-    assert accuracy.main(["--no-write", "--csv", str(vtrain)]) == 2
-    err = capsys.readouterr().err
-    assert "'x' is not a whole number" in err and "Traceback" not in err
     columns = tmp_path / "columns.csv"
     columns.write_text(HEADER.replace(",dp,", ",") + "Lab Z,GPT,1,24,2048,16,2048,50257,A100-80GB,8,1,1,,,64\n")
     assert accuracy.main(["--no-write", "--csv", str(columns)]) == 2
@@ -351,3 +344,60 @@ def test_a_runs_file_row_from_llm_foundry_or_composer_is_priced_with_its_fused_l
     assert [r.cluster.stack.name for r in runs] == ["llm-foundry", "llm-foundry", "fsdp"]
     assert (runs[0].cluster.stack.loss_fwd_bytes, runs[0].cluster.stack.loss_bwd_bytes) == (2, 4)
     assert (runs[2].cluster.stack.loss_fwd_bytes, runs[2].cluster.stack.loss_bwd_bytes) == (38, 14)
+
+
+def test_a_vtrain_file_row_that_cannot_be_used_is_skipped_and_its_header_may_vary(tmp_path):
+    """vTrain's columns matched without case or spaces, the GPU count left to tp x dp x pp,
+    the time in seconds; a row with a value that is not a number, or a GPU count that is not
+    the product, is skipped with its line and the rest are read."""
+    import planner_sets
+
+    path = tmp_path / "vtrain.csv"
+    path.write_text(" Global Batch ,micro batch,hidden size,attention heads,# layers,sequence length,"
+                    "tensor parallelism,data parallelism,pipeline parallelism,Iteration time (s)\n"
+                    "32,2,1024,16,12,1024,2,2,2,0.3\n"
+                    "32,x,1024,16,12,1024,2,2,2,0.3\n"
+                    "32,2,1024,16,12,1024,2,2,2,\n")
+    runs, skipped = planner_sets.runs_in_file(path, "vtrain")
+    assert len(runs) == 1 and runs[0].cluster.n_gpus == 8 and runs[0].measured == pytest.approx(32 * 1024 / 0.3 / 8)
+    assert skipped == {"line 3: 'x' is not a whole number": 1, "line 4: no iteration time": 1}
+    mismatch = tmp_path / "gpus.csv"
+    mismatch.write_text("# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+                        "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\n"
+                        "16,32,2,1024,16,12,1024,2,2,2,300\n")
+    runs, skipped = planner_sets.runs_in_file(mismatch, "gpus")
+    assert not runs and skipped == {"line 2: 16 GPUs is not tp x dp x pp = 8": 1}
+
+
+def test_a_searched_run_the_planner_thinks_too_big_is_priced_at_its_leanest_layout(tmp_path):
+    """A published run did fit; where the planner's search fits no layout of its pinned
+    degrees, the check prices the leanest rather than stopping."""
+    import planner_sets
+
+    path = tmp_path / "runs.csv"
+    path.write_text(HEADER + "Lab Q,Llama 405B on 8,405,126,16384,128,8192,128256,H100,8,1,1,8,1,1,64,,,0.4,"
+                    "tok_s_gpu=100,8,53248\n")
+    (run,), _ = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    p = planner_sets.predict(run)
+    assert not p.fits and p.layout.tp == 1 and p.layout.dp == 8
+
+
+def test_a_run_the_planner_fails_on_is_reported_as_skipped_not_the_end_of_the_check(accuracy, tmp_path,
+                                                                                     monkeypatch):
+    import planner_sets
+
+    path = tmp_path / "runs.csv"
+    row = "Lab Q,GPT 1.3B,1.3,24,2048,16,2048,50257,A100-80GB,8,1,1,8,1,{},64,full,,0.4,tok_s_gpu=9000,16,8192\n"
+    path.write_text(HEADER + row.format(1) + row.format(2))
+    runs, skipped = planner_sets.published_runs_more(path, name="runs", unseen=True)
+    real = planner_sets.predict
+
+    def flaky(run):
+        if run.fixed["micro_batch"] == 2:
+            raise ZeroDivisionError("division by zero")
+        return real(run)
+
+    monkeypatch.setattr(planner_sets, "predict", flaky)
+    result = accuracy.evaluate_runs("runs", runs, skipped, unseen=True)
+    assert result["held_out"]["rows"] == 1
+    assert result["skipped"] == {"GPT 1.3B (Lab Q): planner failed, ZeroDivisionError: division by zero": 1}
