@@ -325,11 +325,12 @@ def _more_run(row: dict, name: str, skip) -> Run | None:
     return run
 
 
-# A source this module has no rule for: its stack from its name or notes, first match wins.
-STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"),
-               ("nemo", "nemo"), ("megatron-bridge", "nemo"), ("megatron-fsdp", "nemo"),
+# A source this module has no rule for: its stack from its name or notes, first match wins
+# (GPT-NeoX trains on DeepSpeed, NVIDIA's MLPerf submissions on NeMo, OLMo and metaseq on FSDP).
+STACK_WORDS = (("deepspeed", "deepspeed"), ("bloom", "deepspeed"), ("mt-nlg", "deepspeed"), ("gpt-neox", "deepspeed"),
+               ("nemo", "nemo"), ("megatron-bridge", "nemo"), ("megatron-fsdp", "nemo"), ("mlperf", "nemo"),
                ("foundry", "llm-foundry"), ("composer", "llm-foundry"), ("torchtitan", "fsdp"), ("fsdp", "fsdp"),
-               ("ember", "ember"), ("megatron", "megatron"))
+               ("olmo", "fsdp"), ("metaseq", "fsdp"), ("ember", "ember"), ("megatron", "megatron"))
 
 
 def _any_source(row: dict, name: str, model: ModelSpec, shape: TrainShape, tokens: float, group: tuple) -> Run:
