@@ -1,5 +1,5 @@
 """`ember plan`: predict memory and step time for every parallel layout and rank them, or
-for one layout (`--layout`, with `--json` the form other tools read)."""
+for the layouts given (`--layout`, repeatable; one with `--json` is the form other tools read)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     plan.add_argument("--attention", help="flash (default) or unfused")
     plan.add_argument("--stack", help="the training software: ember (default), megatron, nemo, megatron-2021, "
                                       "deepspeed, fsdp, fsdp-eager or llm-foundry (what each does: docs/planner.md)")
-    plan.add_argument("--layout", help="predict one layout, e.g. tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full")
+    plan.add_argument("--layout", action="append",
+                      help="predict this layout instead of searching, e.g. "
+                           "tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full; repeat it to rank candidates side by side")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -140,26 +142,34 @@ def run_plan(args) -> int:
     console = Console()
     if not console.is_terminal:  # piped into a file or a pager: do not squeeze the table to 80 columns
         console = Console(width=160)
-    if args.layout is not None:
-        layout = parse_layout(args.layout, cluster.n_gpus)
-        found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
-        if found:
-            raise ConfigError(f"layout {layout.text()} cannot run: {found[0]}.")
-        if not cluster.stack.runs_schedule(layout):
-            raise ConfigError(f"--stack {cluster.stack.name} runs only its own pipeline schedule; "
-                              "give schedule=1f1b for it.")
-        p = rank(model, cluster, shape, [layout])[0]
+    if args.layout:
+        layouts = [parse_layout(text, cluster.n_gpus) for text in args.layout]
+        for layout in layouts:  # every one checked before any is priced
+            found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
+            if found:
+                raise ConfigError(f"layout {layout.text()} cannot run: {found[0]}.")
+            if not cluster.stack.runs_schedule(layout):
+                raise ConfigError(f"--stack {cluster.stack.name} runs only its own pipeline schedule; "
+                                  "give schedule=1f1b for it.")
+        ranked = rank(model, cluster, shape, layouts)
+        p = ranked[0]
         command = _command(p, model, recipe, cluster, shape)
+        notes = (report.command_notes(model, recipe, p.layout, shape) if command else [])
+        notes += report.interval_notes(ranked)
         if args.json:
-            print(json.dumps({**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
-                              "command": command,
-                              "notes": (report.command_notes(model, recipe, layout, shape) if command else [])
-                              + report.interval_notes([p])}, indent=2))
+            one = {**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
+                   "command": command, "notes": notes}
+            many = {"model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
+                    "best": p.to_dict() | {"command": command}, "ranked": [q.to_dict() for q in ranked],
+                    "within_interval_of_best": report.ties(ranked), "notes": notes}
+            print(json.dumps(one if len(layouts) == 1 else many, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
-        console.print(report.table([p]))
-        report.print_text(console, report.memory_line(p) + ("\n" + command if command else ""))
-        notes = (report.command_notes(model, recipe, layout, shape) if command else []) + report.interval_notes([p])
+        if len(layouts) > 1:
+            report.print_text(console, f"{len(layouts)} layouts given; fastest first")
+        console.print(report.table(ranked))
+        lead = "\n" if len(layouts) == 1 else "\ntrain with the fastest of them:\n"
+        report.print_text(console, report.memory_line(p) + (lead + command if command else ""))
         for note in notes:
             report.print_text(console, "note: " + note)
         return 0
