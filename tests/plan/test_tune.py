@@ -217,3 +217,22 @@ def test_repo_recipes_plan_with_the_data_vocabulary():
     model, shape = plan_inputs(load_config(REPO / "configs/tiny-gpt.toml"), {"vocab_size": 512, "seq_len": 64},
                                "tiny-gpt")
     assert model.vocab_size == 512 and shape.global_batch == 16
+
+
+def test_given_layouts_are_tried_instead_of_the_planners_top(recipe, dataset, tmp_path, capsys):
+    """`--layout`, repeated: exactly those candidates, in the planner's order, each checked
+    against the recipe before anything runs."""
+    profile, out = str(_profile(tmp_path)), str(tmp_path / "tune")
+    base = ["tune", str(recipe), "--data", str(dataset), "--nproc", "2", "--profile", profile, "--out", out]
+    given = ["tp=2,dp=1,mbs=4", "dp=2,zero=1,mbs=2"]
+    assert main(base + ["--layout", given[0], "--layout", given[1], "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "trying the 2 given" in printed and printed.count("torch.distributed.run") == 2
+    tried = re.findall(r"trial \d: (\S+)", printed)
+    assert sorted(tried) == ["tp=1,pp=1,dp=2,zero=1,mbs=2,recompute=none", "tp=2,pp=1,dp=1,mbs=4,recompute=none"]
+    assert "--set train.micro_batch=2" in printed and "--set parallel.tp=2" in printed
+    assert main(base + ["--layout", "pp=2,dp=1,mbs=4", "--dry-run"]) == 0  # 2 layers, 2 stages
+    capsys.readouterr()
+    assert main(base + ["--layout", given[0], "--layout", "tp=2,dp=1,mbs=3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot train this recipe on 2 processes" in err and err.count("\n") == 1

@@ -17,7 +17,9 @@ from ember.config import ConfigError
 EPILOG = """examples:
   ember plan calibrate --out cpu.json --quick
   ember tune configs/tiny-gpt.toml --data data/tiny --nproc 1 --profile cpu.json --top 2 --steps 5 --out tune-cpu
-  ember tune configs/gpt2-small.toml --data data/owt --nproc 8 --top 4 --steps 30 --out tune-8xh100"""
+  ember tune configs/gpt2-small.toml --data data/owt --nproc 8 --top 4 --steps 30 --out tune-8xh100
+  ember tune configs/gpt2-small.toml --data data/owt --nproc 8 --out tune-mine \\
+      --layout dp=8,zero=1,mbs=16 --layout tp=2,sp=1,dp=4,zero=1,mbs=16"""
 
 
 def register_tune(verbs) -> None:
@@ -29,6 +31,9 @@ def register_tune(verbs) -> None:
     tune.add_argument("--profile", help="profile file of this machine (`ember plan calibrate`); "
                                         "default: the GPU table's row for the local GPU")
     tune.add_argument("--top", type=int, default=3, help="layouts to try (default 3)")
+    tune.add_argument("--layout", action="append",
+                      help="try this layout (as `ember plan --layout` writes it) instead of the planner's top; "
+                           "repeat it for each candidate")
     tune.add_argument("--steps", type=int, default=10, help="training steps per trial (default 10)")
     tune.add_argument("--warmup", type=int, default=2, help="logged steps skipped before measuring (default 2)")
     tune.add_argument("--timeout", type=float, default=900.0, help="seconds a trial may take (default 900)")
@@ -70,7 +75,10 @@ def plan_trials(args):
         raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per process on "
                           f"{args.nproc}; the leanest ({leanest.layout.text()}) needs "
                           f"{leanest.memory.total / 2**30:.1f} GiB.")
-    chosen, passed = select(result.ranked, args.top, config, args.nproc, shape.seq_len)
+    if args.layout:
+        chosen, passed = _given(args.layout, model, cluster, shape, config, args.nproc), 0
+    else:
+        chosen, passed = select(result.ranked, args.top, config, args.nproc, shape.seq_len)
     if not chosen:
         raise ConfigError(f"none of the {len(result.ranked)} layouts that fit can train this recipe "
                           f"(e.g. {result.ranked[0].layout.text()}); check its [parallel]-related settings.")
@@ -84,6 +92,21 @@ def plan_trials(args):
     return config, cluster, model, shape, result, trials, passed
 
 
+def _given(texts: list[str], model, cluster, shape, config, nproc: int):
+    """The layouts a user named, each one the recipe can train here, predicted and in the
+    planner's order; the first that cannot is refused before anything runs."""
+    from ember.layout import run_problems
+    from ember.plan.layout import parse_layout
+    from ember.plan.search import rank
+
+    layouts = [parse_layout(text, nproc) for text in texts]
+    for layout in layouts:
+        found = run_problems(layout, config, nproc, shape.seq_len)
+        if found:
+            raise ConfigError(f"layout {layout.text()} cannot train this recipe on {nproc} processes: {found[0]}.")
+    return rank(model, cluster, shape, layouts)
+
+
 def run_tune(args) -> int:
     import torch
 
@@ -95,11 +118,11 @@ def run_tune(args) -> int:
     out = Path(args.out)
     console = Console() if Console().is_terminal else Console(width=140)
     skipped = f" ({passed} better-ranked cannot train this recipe and were passed over)" if passed else ""
+    trying = f"trying the {len(trials)} given" if args.layout else f"trying the top {len(trials)}{skipped}"
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
-                        f"{len(result.ranked):,} of {result.considered:,} layouts fit; "
-                        f"trying the top {len(trials)}{skipped}")
+                        f"{len(result.ranked):,} of {result.considered:,} layouts fit; {trying}")
     close = ties(result.ranked)
-    if close > len(trials):  # on the public runs, the measured best was always among these
+    if close > len(trials) and not args.layout:  # on the public runs, the measured best was always among these
         print_text(console, f"note: {close} layouts lie within the best's predicted interval, so the planner "
                             f"cannot order them; --top {close} measures them all.")
     if args.dry_run:
