@@ -171,5 +171,8 @@ def test_several_layouts_are_ranked_side_by_side(capsys):
         "tp=1,pp=2,schedule=1f1b,dp=4,zero=1", "tp=2,sp=1,pp=2,schedule=1f1b,dp=2,zero=1",
         "tp=1,pp=8,schedule=1f1b,dp=1", "tp=8,sp=1,pp=1,dp=1"]
     assert out["best"]["layout"] == order[0] and 1 <= out["within_interval_of_best"] <= 4
+    assert main(args + ["--layout", given[0], "--layout", given[3], "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "2 layouts given; fastest first" in text and f"Best: {order[0]}" in text and "vs tp=8,sp=1" in text
     assert main(args + ["--layout", given[0], "--layout", "tp=3,pp=1,dp=1"]) == 2  # checked before any is priced
     assert "cannot run" in capsys.readouterr().err

@@ -162,6 +162,8 @@ def run_plan(args) -> int:
             many = {"model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
                     "best": p.to_dict() | {"command": command}, "ranked": [q.to_dict() for q in ranked],
                     "within_interval_of_best": report.ties(ranked), "notes": notes}
+            if args.explain:
+                many["explain"] = report.explain(p, ranked[1:])
             print(json.dumps(one if len(layouts) == 1 else many, indent=2))
             return 0
         report.print_text(console, report.header(model, cluster, shape))
@@ -172,6 +174,8 @@ def run_plan(args) -> int:
         report.print_text(console, report.memory_line(p) + (lead + command if command else ""))
         for note in notes:
             report.print_text(console, "note: " + note)
+        if args.explain and len(layouts) > 1:
+            report.print_text(console, "\n" + report.explain(p, ranked[1:]))
         return 0
 
     # Other software's search space is its own: layouts ember's trainer refuses count there.
