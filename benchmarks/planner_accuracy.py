@@ -263,6 +263,28 @@ def by_source(records: list[dict]) -> list[str]:
             for (s, g, rc), e in sorted(parts.items())]
 
 
+def group_lines(records: list[dict]) -> list[str]:
+    """One line per group of an unseen set with 2+ layouts: how its ranking came out (a few
+    such groups are what a file of one sweep per model holds, so the summary alone hides them)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["error"] is not None:
+            groups.setdefault(r["run"].group, []).append(r)
+    out = []
+    for members in groups.values():
+        if len({r["prediction"].layout for r in members}) < 2:
+            continue
+        run, s = members[0]["run"], summarise(members)
+        order = sorted(members, key=lambda r: -r["prediction"].tokens_per_s_per_gpu)
+        best = max(members, key=lambda r: r["run"].measured)
+        rho = f"Spearman {s['rho_median']:.2f}" if s["rho_groups"] else "Spearman -"
+        out.append(f"  {run.label} on {run.cluster.n_gpus} x {run.cluster.gpu.name}, global batch "
+                   f"{run.shape.global_batch}: {len(members)} layouts, median |err| {100 * s['median']:.1f}%, bias "
+                   f"{100 * s['bias']:+.1f}%, {rho}; measured best {best['prediction'].layout.text()} predicted "
+                   f"#{order.index(best) + 1}" + (" (among the best's ties)" if s["in_ties"] else ""))
+    return out
+
+
 def fmt(s: dict) -> str:
     if not s.get("rows"):
         return "no rows"
@@ -283,7 +305,7 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
     for res in results:
         skipped = ", ".join(f"{v} {k}" for k, v in res["skipped"].items())
         lines.append(f"## {res['name']}" + (f" (skipped: {skipped})" if skipped else ""))
-        lines += ([f"  unseen   {fmt(res['held_out'])}"] if res["unseen"] else
+        lines += ([f"  unseen   {fmt(res['held_out'])}"] + group_lines(res["records"]) if res["unseen"] else
                   [f"  fitted   {fmt(res['fitted'])}", f"  held out {fmt(res['held_out'])}"])
         if (memory := memory_line(res["records"])) is not None:
             lines.append(memory)

@@ -5,6 +5,7 @@ in every group, the measured best in the top three of every group) are stated in
 docs/planner.md with how far each set is from them."""
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -152,6 +153,11 @@ def test_a_file_in_vtrains_columns_is_checked_as_unseen_on_nodes_of_eight(accura
     assert result["held_out"]["rows"] == 4 and result["held_out"]["ranked_groups"] == 1
     text = accuracy.report([result], 0.0)
     assert "unseen       4 rows" in text and "h2048 L24" not in text.split("rows of every set but vtrain:")[1]
+    # Its one group of several layouts gets a line of its own: the measured best (tp 2, dp 4,
+    # pp 2 at 650 ms) and where the planner ranked it.
+    line = next(x for x in text.splitlines() if x.startswith("  h2048 L24 on 16 x A100"))
+    assert "global batch 32: 3 layouts" in line and "measured best tp=2,pp=2,schedule=1f1b,dp=4" in line
+    assert re.search(r"predicted #[123]\b", line)
 
 
 def test_a_vtrain_file_may_split_tensors_across_nodes(accuracy, tmp_path):
