@@ -176,3 +176,44 @@ def test_several_layouts_are_ranked_side_by_side(capsys):
     assert "2 layouts given; fastest first" in text and f"Best: {order[0]}" in text and "vs tp=8,sp=1" in text
     assert main(args + ["--layout", given[0], "--layout", "tp=3,pp=1,dp=1"]) == 2  # checked before any is priced
     assert "cannot run" in capsys.readouterr().err
+
+
+def test_set_changes_a_presets_shape_or_a_recipes_values(capsys, tmp_path):
+    """vTrain's GPT 39B is GPT-3 175B's architecture at 48 layers of 8192 with 64 heads: the
+    MLP keeps its 4x ratio, the header names the change, and the train command spells out the
+    new shape; a recipe's override goes through to its command."""
+    args = ["plan", "--model", "gpt3-175b", "--gpu", "A100-80GB", "--gpus", "512", "--global-batch", "1536",
+            "--set", "model.layers=48", "--set", "model.hidden=8192", "--set", "model.heads=64", "--top", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpt3-175b with layers=48, hidden=8192, heads=64: 39.09 B parameters")
+    assert "--set model.mlp_hidden=32768" in out and "--set model.layers=48" in out
+    recipe = tmp_path / "r.toml"
+    recipe.write_text((REPO / "configs" / "tiny-gpt.toml").read_text())
+    assert main(["plan", "--model", str(recipe), "--gpu", "A100", "--gpus", "8", "--global-batch", "64",
+                 "--set", "model.vocab_size=512", "--set", "model.layers=6", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "6 layers x" in out and f"train {recipe} --data DATA_DIR --out RUN_DIR --set model.vocab_size=512 " \
+                                    "--set model.layers=6 --set parallel." in out
+
+
+@pytest.mark.parametrize("item, words", [
+    ("train.lr=1", "a preset takes model.KEY=VALUE"),
+    ("model.layers=0", "whole number of at least 1"),
+    ("model.bias=maybe", "true or false"),
+    ("model.heads=100", "must be a multiple of model.heads (100)"),
+])
+def test_a_bad_override_of_a_preset_is_one_sentence(item, words, capsys):
+    assert main(BASE + ["--set", item]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_preset_keeps_its_proportions_where_an_override_is_silent():
+    from ember.plan.models import PRESETS, with_overrides
+
+    llama = with_overrides(PRESETS["llama3-8b"], ["model.hidden=8192", "model.heads=64"])
+    assert llama.mlp_hidden == 14336 * 2 and llama.kv_heads == 8  # grouped query attention stays grouped
+    gpt = with_overrides(PRESETS["gpt3-175b"], ["model.heads=64", "model.hidden=8192", "model.mlp_hidden=16384"])
+    assert gpt.kv_heads == 64 and gpt.mlp_hidden == 16384
+    assert with_overrides(PRESETS["gpt3-175b"], []) is PRESETS["gpt3-175b"]

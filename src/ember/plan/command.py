@@ -49,6 +49,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     plan.add_argument("--layout", action="append",
                       help="predict this layout instead of searching, e.g. "
                            "tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full; repeat it to rank candidates side by side")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a recipe value, or a preset's shape (model.layers=48, model.hidden=8192, ...)")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", action="store_true", help="say why the best layout beats the runners-up")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -105,13 +107,13 @@ def _setup(args):
         if args.save_profile:
             return None
         raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
-    model, recipe = resolve_model(args.model)
+    model, recipe = resolve_model(args.model, args.set)
     if recipe is not None and args.grad_dtype is None:  # the gradients `ember train` would reduce
         from ember.config import load_config
         from ember.plan.stacks import run_stack
 
         device_type = "cuda" if cluster.stack.host_overlaps else "cpu"  # a calibrated CPU's stack says so
-        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe), device_type))
+        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe, args.set), device_type))
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     if args.precision == "fp8" and cluster.stack.name == "ember":
@@ -153,7 +155,7 @@ def run_plan(args) -> int:
                                   "give schedule=1f1b for it.")
         ranked = rank(model, cluster, shape, layouts)
         p = ranked[0]
-        command = _command(p, model, recipe, cluster, shape)
+        command = _command(p, model, recipe, cluster, shape, args.set)
         notes = (report.command_notes(model, recipe, p.layout, shape) if command else [])
         notes += report.interval_notes(ranked)
         if args.json:
@@ -186,7 +188,7 @@ def run_plan(args) -> int:
                           f"{cluster.n_gpus} GPUs; the leanest ({smallest.layout.text()}) needs "
                           f"{smallest.memory.total / 2**30:.0f} GiB, so add GPUs or shorten the batch or sequence.")
     best, others = result.best, runners_up(result)
-    command = _command(best, model, recipe, cluster, shape)
+    command = _command(best, model, recipe, cluster, shape, args.set)
     fastest_too_big = result.too_big[0] if result.too_big else None
     if args.json:
         out = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
@@ -219,14 +221,14 @@ def run_plan(args) -> int:
     return 0
 
 
-def _command(p, model, recipe, cluster, shape) -> str | None:
+def _command(p, model, recipe, cluster, shape, overrides=()) -> str | None:
     """The `ember train` line for a layout priced for ember's trainer; None for another
     stack's, which that software runs with its own options."""
     from ember.plan import report
 
     if cluster.stack.name != "ember":
         return None
-    return report.train_command(p, model, recipe, cluster, shape)
+    return report.train_command(p, model, recipe, cluster, shape, overrides)
 
 
 def _model_plan(args) -> tuple | None:

@@ -99,13 +99,57 @@ def from_config(cfg: ModelConfig, name: str, mlm_rate: float = 0.15) -> ModelSpe
                      vocab_multiple=cfg.vocab_multiple, max_seq_len=cfg.max_seq_len)
 
 
-def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
-    """A preset name or a recipe TOML path -> (spec, the recipe path or None for presets)."""
+# The ModelConfig fields a preset has, as `ember train --set model.KEY=...` names them: what
+# `ember plan --set` may change in a preset, and what a preset's train command spells out.
+MODEL_KEYS = ("objective", "hidden", "layers", "heads", "kv_heads", "mlp_hidden", "activation", "norm", "bias",
+              "positions", "tie_embeddings", "vocab_size", "max_seq_len")
+
+
+def resolve_model(text: str, overrides: list[str] = ()) -> tuple[ModelSpec, str | None]:
+    """A preset name or a recipe TOML path, with `section.key=value` overrides (a recipe's
+    any, a preset's model.* shape) -> (spec, the recipe path or None for presets)."""
     key = text.strip().lower()
     if key in PRESETS:
-        return PRESETS[key], None
+        return with_overrides(PRESETS[key], overrides), None
     path = Path(text)
     if path.suffix == ".toml" or path.exists():
-        config = load_config(path)
+        config = load_config(path, list(overrides))
         return from_config(config.model, path.stem, config.data.mlm_rate), str(path)
     raise ConfigError(f"unknown model {text!r}; give a recipe .toml or one of {', '.join(PRESETS)}.")
+
+
+def with_overrides(spec: ModelSpec, overrides: list[str]) -> ModelSpec:
+    """A preset with some of its shape changed (`model.layers=48`, ...), named for the
+    change. What is not given keeps its proportion: the MLP width its ratio to the hidden
+    width, and a multi-head preset one key/value head per head."""
+    changes: dict[str, object] = {}
+    for item in overrides:
+        dotted, eq, value = item.partition("=")
+        section, _, name = dotted.strip().partition(".")
+        value = value.strip()
+        if not eq or section != "model" or name not in MODEL_KEYS or not value:
+            raise ConfigError(f"--set {item!r}: a preset takes model.KEY=VALUE with KEY one of "
+                              f"{', '.join(MODEL_KEYS)}.")
+        current = getattr(spec, name)
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"--set {item!r}: model.{name} is true or false.")
+            changes[name] = value.lower() == "true"
+        elif isinstance(current, int):
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--set {item!r}: model.{name} is a whole number of at least 1.")
+            changes[name] = int(value)
+        else:
+            changes[name] = value.lower()
+    if not changes:
+        return spec
+    named = ", ".join(f"{k}={str(v).lower()}" for k, v in changes.items())
+    if "heads" in changes and "kv_heads" not in changes and spec.kv_heads == spec.heads:
+        changes["kv_heads"] = changes["heads"]
+    if "hidden" in changes and "mlp_hidden" not in changes:
+        changes["mlp_hidden"] = spec.mlp_hidden * changes["hidden"] // spec.hidden
+    out = replace(spec, name=f"{spec.name} with {named}", **changes)
+    if out.hidden % out.heads or out.heads % out.kv_heads:
+        raise ConfigError(f"model.hidden ({out.hidden}) must be a multiple of model.heads ({out.heads}), and heads "
+                          f"of model.kv_heads ({out.kv_heads}).")
+    return out

@@ -12,27 +12,29 @@ from ember.layout import Layout, problems
 from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import GIB, total_params
+from ember.plan.models import MODEL_KEYS
 from ember.plan.predict import Prediction
 from ember.plan.uncertainty import overlaps
 
-# ModelConfig fields a preset sets when there is no recipe to point the trainer at.
-_MODEL_KEYS = ("objective", "hidden", "layers", "heads", "kv_heads", "mlp_hidden", "activation", "norm", "bias",
-               "positions", "tie_embeddings", "vocab_size", "max_seq_len")
 
 
-def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cluster, shape: TrainShape) -> str:
-    """The torchrun line that trains `model` with the predicted layout."""
+def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cluster, shape: TrainShape,
+                  overrides: list[str] = ()) -> str:
+    """The torchrun line that trains `model` with the predicted layout (a recipe's own
+    `overrides` passed on before the layout's)."""
     per_node = min(cluster.gpus_per_node, cluster.n_gpus)
     parts = ["torchrun", f"--nnodes={cluster.nodes}", f"--nproc-per-node={per_node}"]
     if cluster.nodes > 1:
         parts += ["--node-rank=$NODE_RANK", "--master-addr=$MASTER_ADDR", "--master-port=29500"]
     parts += ["-m", "ember", "train", recipe or "RECIPE.toml", "--data", "DATA_DIR", "--out", "RUN_DIR"]
+    for item in overrides if recipe is not None else ():  # a preset's are in its model.* settings
+        parts += ["--set", item]
     settings = dict(prediction.layout.settings(shape.global_batch))
     # A GPU without bf16 tensor cores multiplies 2-byte operands in fp16, at the same rate.
     settings["train.precision"] = "fp16" if shape.precision == "bf16" and not cluster.gpu.bf16 else shape.precision
     settings["parallel.grad_dtype"] = cluster.stack.grad_dtype  # the gradient reduction it priced
     if recipe is None:
-        for key in _MODEL_KEYS:
+        for key in MODEL_KEYS:
             value = getattr(model, key)
             settings[f"model.{key}"] = str(value).lower() if isinstance(value, bool) else value
         settings["model.max_seq_len"] = max(model.max_seq_len, shape.seq_len)
