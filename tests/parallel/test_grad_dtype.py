@@ -71,7 +71,7 @@ def test_a_fp32_run_refuses_bf16_reduction():
 def _plan_args(model, **changes):
     args = dict(model=model, gpu=["H100"], gpus=8, gpus_per_node=None, intra_bw=None, inter_bw=None, profile=None,
                 save_profile=None, seq_len=None, global_batch=64, precision="bf16", grad_dtype=None, attention=None,
-                stack=None, layout=None, top=10, explain=False, json=True)
+                stack=None, layout=None, set=[], top=10, explain=False, json=True)
     return Namespace(**(args | changes))
 
 
