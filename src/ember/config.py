@@ -209,7 +209,7 @@ def _check_ranges(config: "Config") -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], not {config.optim.betas}.")
 
 
-def _coerce(name: str, value: Any, current: Any) -> Any:
+def coerce(name: str, value: Any, current: Any) -> Any:
     """Convert `value` to the type of the field's default, or explain why it cannot."""
     kind = type(current)
     if kind is bool:
@@ -252,7 +252,7 @@ def _set(config: Config, dotted: str, value: Any) -> None:
     names = [f.name for f in dataclasses.fields(section)]
     if key not in names:
         raise ConfigError(f"unknown config key {dotted!r}; {section_name} has {', '.join(names)}.")
-    setattr(section, key, _coerce(dotted, value, getattr(section, key)))
+    setattr(section, key, coerce(dotted, value, getattr(section, key)))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ember.config import ConfigError, ModelConfig, load_config
+from ember.config import ConfigError, ModelConfig, coerce, load_config
 
 
 @dataclass(frozen=True)
@@ -130,17 +130,9 @@ def with_overrides(spec: ModelSpec, overrides: list[str]) -> ModelSpec:
         if not eq or section != "model" or name not in MODEL_KEYS or not value:
             raise ConfigError(f"--set {item!r}: a preset takes model.KEY=VALUE with KEY one of "
                               f"{', '.join(MODEL_KEYS)}.")
-        current = getattr(spec, name)
-        if isinstance(current, bool):
-            if value.lower() not in ("true", "false"):
-                raise ConfigError(f"--set {item!r}: model.{name} is true or false.")
-            changes[name] = value.lower() == "true"
-        elif isinstance(current, int):
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--set {item!r}: model.{name} is a whole number of at least 1.")
-            changes[name] = int(value)
-        else:
-            changes[name] = value.lower()
+        changes[name] = coerce(dotted.strip(), value, getattr(spec, name))  # as a recipe's --set reads it
+        if type(changes[name]) is int and changes[name] < 1:
+            raise ConfigError(f"--set {item!r}: model.{name} is a whole number of at least 1.")
     if not changes:
         return spec
     named = ", ".join(f"{k}={str(v).lower()}" for k, v in changes.items())

@@ -17,7 +17,6 @@ from ember.plan.predict import Prediction
 from ember.plan.uncertainty import overlaps
 
 
-
 def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cluster, shape: TrainShape,
                   overrides: list[str] = ()) -> str:
     """The torchrun line that trains `model` with the predicted layout (a recipe's own
