@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -156,7 +157,8 @@ def interval_table(results: list[dict]) -> dict[str, tuple[float, float, int, fl
     return table
 
 
-def zero3_scaling() -> list[str]:
+@functools.cache  # 13 searches whose answer depends on nothing the caller passes
+def zero3_scaling() -> tuple[str, ...]:
     """Both of the paper's layouts predicted with the software that ran them, in its units
     (hardware TFLOP/s); and where ember's own stack ranks its best 3D and ZeRO-3 layouts."""
     gpt, shape = PRESETS["gpt3-175b"], TrainShape(2048, 1536)
@@ -182,7 +184,7 @@ def zero3_scaling() -> list[str]:
         lines.append(f"{gpus:>6}{measured:>17.0f}{z3:>12.0f} ({z3 / measured - 1:+.0%}){PTDP_175B[gpus]:>13.0f}"
                      f"{td:>16.0f} ({td / PTDP_175B[gpus] - 1:+.0%}){best3d.hw_tflops_per_gpu:>11.0f} "
                      f"(#{ranked.index(best3d) + 1}){z3_text:>19}")
-    return lines + ["ember's own search (default stack): " + "; ".join(searched)]
+    return tuple(lines + ["ember's own search (default stack): " + "; ".join(searched)])
 
 
 def layer_sweep(records: list[dict]) -> list[str]:
@@ -322,7 +324,7 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
         lines.append(f"  {k:<9} p10 {p10:+.3f}  p90 {p90:+.3f}  ({n} rows; median |err| {100 * median:.1f}%, "
                      f"{100 * inside:.0f}% inside)")
     vtrain = next((res for res in results if res["name"] == "vtrain"), None)
-    lines += [""] + zero3_scaling() + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
+    lines += [""] + list(zero3_scaling()) + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
     lines += ["", "rows of every set but vtrain:"]
     for res in (res for res in results if not any(r["run"].source == "vTrain" for r in res["records"])):
         for r in res["records"]:

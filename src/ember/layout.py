@@ -32,8 +32,9 @@ ZERO_BUBBLE = ("zero_bubble", "zbv")  # they split backward in two, which compil
 RECOMPUTE = ("none", "selective", "full")
 
 
-def available_schedules() -> list[str]:
-    return [name for name, (_, _, cls) in SCHEDULES.items() if hasattr(pipelining, cls)]
+@functools.cache
+def available_schedules() -> tuple[str, ...]:
+    return tuple(name for name, (_, _, cls) in SCHEDULES.items() if hasattr(pipelining, cls))
 
 
 @dataclass(frozen=True)
@@ -112,19 +113,14 @@ class Layout:
             return (model.layers // self.stages,) * self.stages
         return balanced_split(model, self.stages)
 
-    def stage_owner(self) -> list[int]:
+    def stage_owner(self) -> tuple[int, ...]:
         """The pipeline rank holding each stage. "loop" schedules: rank r holds stages r,
         r + pp, ...; "v" (ZB-V): rank r holds stages r and 2pp - 1 - r."""
-        if SCHEDULES.get(self.schedule, (False, "loop"))[1] == "v":
-            return [s if s < self.pp else 2 * self.pp - 1 - s for s in range(2 * self.pp)]
-        return [s % self.pp for s in range(self.stages)]
+        return _stage_owner(SCHEDULES.get(self.schedule, (False, "loop"))[1] == "v", self.pp, self.stages)
 
-    def rank_layers(self, model) -> list[int]:
+    def rank_layers(self, model) -> tuple[int, ...]:
         """The layers each pipeline rank holds, over all its stages."""
-        out = [0] * self.pp
-        for owner, layers in zip(self.stage_owner(), self.split(model)):
-            out[owner] += layers
-        return out
+        return _layers_by_rank(self.stage_owner(), self.split(model), self.pp)
 
     def recomputed_fraction(self, layers: int) -> float:
         """The share of the layers the policy covers: layers 0, k, 2k, ... as the trainer picks."""
@@ -356,3 +352,20 @@ def check_run(cfg: Config, world: int, seq_len: int | None = None, device_type: 
     if found:
         raise ConfigError(found[0] + ".")
     return layout
+
+
+# The planner asks these of each layout many times (every pipeline rank's memory and work, for
+# thousands of layouts in a search); both are pure, so each is worked out once.
+@functools.lru_cache(maxsize=1024)
+def _stage_owner(v_shape: bool, pp: int, stages: int) -> tuple[int, ...]:
+    if v_shape:
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(2 * pp))
+    return tuple(s % pp for s in range(stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layers_by_rank(owners: tuple[int, ...], split: tuple[int, ...], pp: int) -> tuple[int, ...]:
+    out = [0] * pp
+    for owner, layers in zip(owners, split):
+        out[owner] += layers
+    return tuple(out)

@@ -72,9 +72,9 @@ def test_valid_pipeline_layouts_pass():
 def test_stage_placement():
     model = ModelConfig(layers=8)
     assert Layout(pp=4).split(model) == (2, 2, 2, 2)
-    assert Layout(pp=2, vpp=2, schedule="interleaved").stage_owner() == [0, 1, 0, 1]  # rank r holds r, r + pp
-    assert Layout(pp=2, vpp=2, schedule="zbv").stage_owner() == [0, 1, 1, 0]  # V: r and 2pp - 1 - r
-    assert Layout(pp=2, vpp=2, schedule="zbv", stage_layers=(1, 2, 3, 2)).rank_layers(model) == [3, 5]
+    assert Layout(pp=2, vpp=2, schedule="interleaved").stage_owner() == (0, 1, 0, 1)  # rank r holds r, r + pp
+    assert Layout(pp=2, vpp=2, schedule="zbv").stage_owner() == (0, 1, 1, 0)  # V: r and 2pp - 1 - r
+    assert Layout(pp=2, vpp=2, schedule="zbv", stage_layers=(1, 2, 3, 2)).rank_layers(model) == (3, 5)
     assert Layout(pp=3, stage_layers=(2, 4, 2)).split(model) == (2, 4, 2)
 
 

@@ -53,7 +53,8 @@ def test_world_size(layout, words):
     (Layout(dp_replicate=8, micro_batch=16), 8, "must be a multiple of data-parallel ranks x train.micro_batch"),
     (Layout(pp=2, vpp=2), 2, "needs parallel.schedule=interleaved"),
     (Layout(pp=2, schedule="interleaved"), 2, "needs parallel.vpp >= 2"),
-    (Layout(pp=4, vpp=2, schedule="interleaved", dp_replicate=2, micro_batch=16), 8, "needs at least parallel.pp=4 micro-batches"),
+    (Layout(pp=4, vpp=2, schedule="interleaved", dp_replicate=2, micro_batch=16), 8,
+     "needs at least parallel.pp=4 micro-batches"),
 ])
 def test_divisibility_rejections(layout, gpus, words):
     assert any(words in reason for reason in problems(layout, LLAMA, SHAPE.global_batch, gpus, ember=False))
@@ -65,7 +66,7 @@ def test_uneven_pipeline_stages_are_layouts_too():
     assert problems(Layout(pp=4, vpp=3, schedule="interleaved"), LLAMA, SHAPE.global_batch, 4, ember=False) == []
     assert Layout(pp=3).split(LLAMA) in ((11, 11, 10), (11, 10, 11), (10, 11, 11))
     lo = parse_layout("pp=4,stage_layers=7/9/9/7", 4)
-    assert lo.stage_layers == (7, 9, 9, 7) and lo.rank_layers(LLAMA) == [7, 9, 9, 7]
+    assert lo.stage_layers == (7, 9, 9, 7) and lo.rank_layers(LLAMA) == (7, 9, 9, 7)
     with pytest.raises(ConfigError):
         parse_layout("pp=2,stage_layers=16-16", 2)
 

@@ -29,6 +29,7 @@ holds the layers `Layout.split` gives its stages, so uneven splits are sized ran
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
@@ -74,11 +75,14 @@ def holds(layout: Layout, stage: int) -> tuple[bool, bool]:
 def pipeline_ranks(model, layout: Layout) -> dict[int, int]:
     """Each pipeline rank -> the rank that stands for it: ranks holding the same layers and
     neither end cost the same, and the earliest of them has the most micro-batches in flight."""
-    layers = layout.rank_layers(model)
-    first: dict[tuple, int] = {}
-    for rank in range(layout.pp):
-        first.setdefault((holds(layout, rank), layers[rank]), rank)
-    return {rank: first[(holds(layout, rank), layers[rank])] for rank in range(layout.pp)}
+    owners = layout.stage_owner()
+    return dict(enumerate(_stand_ins(owners[0], owners[-1], layout.rank_layers(model))))
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every layout a search prices, and pure
+def _stand_ins(first: int, last: int, layers: tuple[int, ...]) -> tuple[int, ...]:
+    kind = [(rank == first, rank == last, n) for rank, n in enumerate(layers)]
+    return tuple(kind.index(k) for k in kind)
 
 
 def stage_params(model, layout: Layout, stage: int) -> float:
