@@ -146,6 +146,8 @@ def test_a_file_in_vtrains_columns_is_checked_as_unseen_on_nodes_of_eight(accura
     assert not skipped and len(runs) == 4 and all(r.held_out and r.set == "multi" for r in runs)
     assert [r.cluster.n_gpus for r in runs] == [16, 16, 16, 8] and runs[0].cluster.links.gpus_per_node == 8
     assert runs[0].cluster.links.inter_gbps == 12.5  # vTrain's configs: 800 Gb/s per node of 8
+    # Megatron-LM's schedule, as the single-node sweep's timing says: 1F1B, and sends of 1/tp.
+    assert runs[0].cluster.stack.p2p_slices and not runs[0].cluster.stack.pipeline_lockstep
     assert runs[1].layout.tp == 4 and runs[1].layout.dp_replicate == 2 and runs[1].layout.pp == 2
     assert runs[0].measured == pytest.approx(32 * 1024 / 0.9 / 16)
     assert len({r.group for r in runs}) == 2
