@@ -44,7 +44,7 @@ HOST_POWER = [1.5, 2.0, 3.0, 4.0, 8.0]
 SLOWDOWN = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3]  # the 10-30% GEMMs lose beside NCCL (plan/overlap.py)
 TIE = 1e-4  # score differences below this are not a reason to move a constant
 # Fitted together: the same software, other options.
-FAMILY = {"nemo": "megatron", "fsdp-eager": "fsdp", "llm-foundry": "fsdp"}
+FAMILY = {"nemo": "megatron", "megatron-deepspeed": "deepspeed", "fsdp-eager": "fsdp", "llm-foundry": "fsdp"}
 
 
 def family(run) -> str:

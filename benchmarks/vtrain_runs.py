@@ -19,11 +19,9 @@ from ember.plan.models import ModelSpec
 from ember.plan.stacks import stack
 
 # vTrain's pipelined rows keep 1F1B's timing (their median error by pp and tp is within 4%,
-# where DeepSpeed's lockstep engine would make them 1.5x as long): Megatron-DeepSpeed also
-# runs Megatron-LM's own schedule when DeepSpeed's pipeline engine is off, and with it
-# Megatron's pipeline sends, each tensor-parallel rank's 1/tp slice (its
-# --no-scatter-gather-tensors-in-pipeline is off by default).
-MEGATRON_DEEPSPEED = stack("deepspeed", pipeline_lockstep=False, p2p_slices=True)
+# where DeepSpeed's lockstep engine would make them 1.5x as long): they ran Megatron-LM's own
+# schedule and pipeline sends, the `megatron-deepspeed` stack.
+MEGATRON_DEEPSPEED = stack("megatron-deepspeed")
 # vTrain's measured-data columns (its data/ground_truth_*.csv): a file with them is read as
 # vTrain's. Names are matched without case or surrounding spaces; "# GPUs" may be left out
 # (tp x dp x pp), and the time may be given in seconds, "iteration time (s)".

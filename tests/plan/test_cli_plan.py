@@ -35,8 +35,16 @@ def test_a_schedule_the_named_stack_cannot_run_is_refused(capsys):
     layout = "tp=8,pp=16,schedule=interleaved,vpp=2,dp=8,zero=1,mbs=1,recompute=full"
     assert main(BASE + ["--stack", "deepspeed", "--layout", layout]) == 2
     assert "runs only its own pipeline schedule" in capsys.readouterr().err
-    assert main(BASE + ["--stack", "deepspeed", "--layout", layout.replace("interleaved,vpp=2", "1f1b"),
-                        "--json"]) == 0
+    one_f_one_b = layout.replace("interleaved,vpp=2", "1f1b")
+    assert main(BASE + ["--stack", "deepspeed", "--layout", one_f_one_b, "--json"]) == 0
+    engine = json.loads(capsys.readouterr().out)
+    # Megatron-DeepSpeed with DeepSpeed's engine off runs Megatron-LM's schedules: the
+    # interleaved one too, and 1F1B without the engine's lockstep.
+    assert main(BASE + ["--stack", "megatron-deepspeed", "--layout", layout]) == 0
+    capsys.readouterr()
+    assert main(BASE + ["--stack", "megatron-deepspeed", "--layout", one_f_one_b, "--json"]) == 0
+    megatron_schedule = json.loads(capsys.readouterr().out)
+    assert 1.2 < engine["step_time_s"] / megatron_schedule["step_time_s"] < 1.6
 
 
 def test_a_layout_that_does_not_fit_is_reported_not_refused(capsys):

@@ -45,7 +45,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
     plan.add_argument("--stack", help="the training software: ember (default), megatron, nemo, megatron-2021, "
-                                      "deepspeed, fsdp, fsdp-eager or llm-foundry (what each does: docs/planner.md)")
+                                      "deepspeed, megatron-deepspeed, fsdp, fsdp-eager or llm-foundry (what each "
+                                      "does: docs/planner.md)")
     plan.add_argument("--layout", action="append",
                       help="predict this layout instead of searching, e.g. "
                            "tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full; repeat it to rank candidates side by side")

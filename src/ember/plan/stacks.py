@@ -26,6 +26,10 @@ naming what that software does, not tuning ember's own constants to it:
   removed: issue #1069);
   DeepSpeed's pipeline engine, which runs its stages in lockstep and sends the whole
   activation from every tensor-parallel rank (read from its TrainSchedule, not fitted).
+- `megatron-deepspeed`: the same with DeepSpeed's pipeline engine off
+  (--no-pipeline-parallel): Megatron-LM's own schedules (1F1B, interleaved) and its
+  pipeline sends, each tensor-parallel rank's 1/tp slice. vTrain's measured sweep ran so.
+  Same kernels, so the same fitted figures as `deepspeed`.
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
   recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
@@ -91,6 +95,8 @@ STACKS: dict[str, Stack] = {
 }
 
 
+STACKS["megatron-deepspeed"] = replace(STACKS["deepspeed"], name="megatron-deepspeed", pipeline_lockstep=False,
+                                       p2p_slices=True)
 STACKS["fsdp-eager"] = replace(STACKS["fsdp"], name="fsdp-eager", fused_elementwise=False)
 STACKS["llm-foundry"] = replace(STACKS["fsdp"], name="llm-foundry", loss_fwd_bytes=2, loss_bwd_bytes=4)
 STACKS["nemo"] = replace(STACKS["megatron"], name="nemo", overlap_grad_reduce=True, overlap_param_gather=True,
