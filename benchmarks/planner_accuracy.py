@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner_sets
 
 from ember.config import ConfigError
+from ember.eval.metrics import spearman  # ties share ranks; no spread in either gives 0, not a pass
 from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS
@@ -46,27 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 # tokens/s).
 ZERO3_175B = {384: 144.0, 768: 88.0, 1536: 44.0}
 PTDP_175B = {384: 153.0, 768: 149.0, 1536: 141.0}
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):  # ties share their mean rank
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 1.0
 
 
 def evaluate_set(name: str, csv_path: Path | None = None) -> dict:

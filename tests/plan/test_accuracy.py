@@ -162,6 +162,21 @@ def test_a_file_in_vtrains_columns_is_checked_as_unseen_on_nodes_of_eight(accura
     assert re.search(r"predicted #[123]\b", line)
 
 
+def test_a_group_measured_without_spread_is_not_counted_as_ranked_right(accuracy, tmp_path):
+    """Three layouts measured at the same time carry no order: their rank correlation is 0,
+    not a pass."""
+    import planner_sets
+
+    head = ("global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+            "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)")
+    rows = ["32,2,2048,16,24,1024,8,1,2,700.0", "32,2,2048,16,24,1024,4,2,2,700.0", "32,1,2048,16,24,1024,2,4,2,700.0"]
+    path = tmp_path / "flat.csv"
+    path.write_text("\n".join([head] + rows) + "\n")
+    runs, skipped = planner_sets.runs_in_file(path, "flat")
+    held_out = accuracy.evaluate_runs("flat", runs, skipped, unseen=True)["held_out"]
+    assert held_out["rho_groups"] == 1 and held_out["rho_ok"] == 0 and held_out["rho_median"] == 0.0
+
+
 def test_a_vtrain_file_may_split_tensors_across_nodes(accuracy, tmp_path):
     """vTrain's multi-node runs include tensor parallelism over 16 GPUs, two nodes: priced,
     not refused, with its collectives on the network between the nodes."""
