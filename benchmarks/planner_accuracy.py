@@ -1,6 +1,10 @@
 """How well `ember plan` predicts measured training runs, each public set on its own.
 
-    python benchmarks/planner_accuracy.py [--no-write]
+    python benchmarks/planner_accuracy.py [--no-write] [--csv FILE ...]
+
+`--csv FILE` (repeatable) also checks a file of runs no fit has seen, in the columns of
+published_runs_more.csv or of vTrain's measured data (read as `--stack megatron-deepspeed`
+on nodes of 8 A100s), with a line for each of its groups.
 
 For each set (published_runs, published_runs_more, vtrain; benchmarks/planner_sets.py) and
 for its fitted and held-out rows separately: the number of rows, the median and maximum
