@@ -282,13 +282,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config
 
 
-def validate(config: Config) -> None:
-    for dotted, choices in _CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(config, section), key)
-        if value not in choices:
-            raise ConfigError(f"{dotted} must be one of {', '.join(choices)}, not {value!r}.")
-    m, t = config.model, config.train
+def check_choice(dotted: str, value: Any) -> None:
+    """Refuse a value outside the key's choices (keys without a fixed set take any)."""
+    choices = _CHOICES.get(dotted)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{dotted} must be one of {', '.join(choices)}, not {value!r}.")
+
+
+def check_model_shape(m) -> None:
+    """The rules a model's shape obeys, for a [model] section or a planner preset alike."""
+    for name in ("vocab_multiple", "hidden", "layers", "heads", "mlp_hidden", "max_seq_len"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} must be at least 1.")
     if m.hidden % m.heads:
         raise ConfigError(f"model.hidden ({m.hidden}) must be divisible by model.heads ({m.heads}).")
     if m.kv_heads < 0 or (m.kv_heads and m.heads % m.kv_heads):
@@ -298,9 +303,14 @@ def validate(config: Config) -> None:
         raise ConfigError("rotary positions need an even head size (model.hidden / model.heads).")
     if m.vocab_size < 0:
         raise ConfigError("model.vocab_size must be 0 (take it from the data) or positive.")
-    for name in ("vocab_multiple", "hidden", "layers", "heads", "mlp_hidden", "max_seq_len"):
-        if getattr(m, name) < 1:
-            raise ConfigError(f"model.{name} must be at least 1.")
+
+
+def validate(config: Config) -> None:
+    for dotted in _CHOICES:
+        section, key = dotted.split(".")
+        check_choice(dotted, getattr(getattr(config, section), key))
+    m, t = config.model, config.train
+    check_model_shape(m)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout must be in [0, 1).")
     if m.document_kernel == "flex" and m.dropout:

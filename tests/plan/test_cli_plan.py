@@ -207,9 +207,11 @@ def test_set_changes_a_presets_shape_or_a_recipes_values(capsys, tmp_path):
 
 @pytest.mark.parametrize("item, words", [
     ("train.lr=1", "a preset takes model.KEY=VALUE"),
-    ("model.layers=0", "whole number of at least 1"),
+    ("model.layers=0", "model.layers must be at least 1"),
+    ("model.vocab_size=0", "a preset's model.vocab_size must be at least 1"),
     ("model.bias=maybe", "true or false"),
-    ("model.heads=100", "must be a multiple of model.heads (100)"),
+    ("model.norm=foo", "model.norm must be one of layernorm, rmsnorm"),
+    ("model.heads=100", "must be divisible by model.heads (100)"),
 ])
 def test_a_bad_override_of_a_preset_is_one_sentence(item, words, capsys):
     assert main(BASE + ["--set", item]) == 2

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ember.config import ConfigError, ModelConfig, coerce, load_config
+from ember.config import ConfigError, ModelConfig, check_choice, check_model_shape, coerce, load_config
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ def with_overrides(spec: ModelSpec, overrides: list[str]) -> ModelSpec:
             raise ConfigError(f"--set {item!r}: a preset takes model.KEY=VALUE with KEY one of "
                               f"{', '.join(MODEL_KEYS)}.")
         changes[name] = coerce(dotted.strip(), value, getattr(spec, name))  # as a recipe's --set reads it
-        if type(changes[name]) is int and changes[name] < 1:
-            raise ConfigError(f"--set {item!r}: model.{name} is a whole number of at least 1.")
+        check_choice(f"model.{name}", changes[name])
+    if changes.get("vocab_size") == 0:  # a recipe's 0 means "from the data"; a preset has none
+        raise ConfigError("a preset's model.vocab_size must be at least 1.")
     if not changes:
         return spec
     named = ", ".join(f"{k}={str(v).lower()}" for k, v in changes.items())
@@ -141,7 +142,5 @@ def with_overrides(spec: ModelSpec, overrides: list[str]) -> ModelSpec:
     if "hidden" in changes and "mlp_hidden" not in changes:
         changes["mlp_hidden"] = spec.mlp_hidden * changes["hidden"] // spec.hidden
     out = replace(spec, name=f"{spec.name} with {named}", **changes)
-    if out.hidden % out.heads or out.heads % out.kv_heads:
-        raise ConfigError(f"model.hidden ({out.hidden}) must be a multiple of model.heads ({out.heads}), and heads "
-                          f"of model.kv_heads ({out.kv_heads}).")
+    check_model_shape(out)  # the rules a recipe's [model] obeys
     return out
