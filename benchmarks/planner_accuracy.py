@@ -310,14 +310,18 @@ def report(results: list[dict], seconds: float, command: str = "python benchmark
     vtrain = next((res for res in results if res["name"] == "vtrain"), None)
     lines += [""] + list(zero3_scaling()) + ([""] + layer_sweep(vtrain["records"]) if vtrain else [])
     lines += ["", "rows of every set but vtrain:"]
-    for res in (res for res in results if not any(r["run"].source == "vTrain" for r in res["records"])):
-        for r in res["records"]:
-            run, p = r["run"], r["prediction"]
-            err = f"{100 * r['error']:+6.1f}%" if r["error"] is not None else "   OOM" if run.oom else "     -"
-            text = p.layout.text() + (" fp8" if run.shape.precision == "fp8" else "")
-            lines.append(f"  {run.source:<16}{run.label[:14]:<15}{run.cluster.gpu.name[:9]:<10}{run.cluster.n_gpus:>5} "
-                         f"{text:<72}{run.measured:>9.0f}{p.tokens_per_s_per_gpu:>9.0f} {err}"
-                         + ("  held out" if run.held_out else ""))
+    rows = [r for res in results if not any(x["run"].source == "vTrain" for x in res["records"])
+            for r in res["records"]]
+    src_w = 1 + max((len(r["run"].source) for r in rows), default=15)
+    label_w = 1 + max((len(r["run"].label) for r in rows), default=14)
+    for r in rows:
+        run, p = r["run"], r["prediction"]
+        err = f"{100 * r['error']:+6.1f}%" if r["error"] is not None else "   OOM" if run.oom else "     -"
+        text = p.layout.text() + (" fp8" if run.shape.precision == "fp8" else "")
+        where = f"{run.source:<{src_w}}{run.label:<{label_w}}{run.cluster.gpu.name[:9]:<10}{run.cluster.n_gpus:>5}"
+        lines.append(f"  {where} "
+                     f"{text:<72}{run.measured:>9.0f}{p.tokens_per_s_per_gpu:>9.0f} {err}"
+                     + ("  held out" if run.held_out else ""))
     more = next((res for res in results if res["name"] == "published_runs_more"), None)
     if more:
         lines += ["", "published_runs_more by source, GPU and recomputation (signed error):"]
