@@ -46,6 +46,8 @@ CASES = [
     ("tune-missing-data", ["tune", RECIPE, "--data", "{missing}", "--nproc", "2", "--dry-run"], "manifest"),
     ("tune-zero-top", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--top", "0", "--dry-run"], "--top"),
     ("tune-zero-steps", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--steps", "0", "--dry-run"], "--steps"),
+    ("tune-warmup-not-below-steps", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--steps", "2", "--warmup",
+                                     "2", "--dry-run"], "--warmup (2) must be less than --steps (2)"),
     ("tune-missing-profile", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--profile", "{missing}",
                               "--dry-run"], "missing"),
     ("tune-bad-set", ["tune", RECIPE, "--data", "{data}", "--nproc", "2", "--set", "optim.lr=-1", "--dry-run"],

@@ -260,6 +260,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     config = Config()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder; give a recipe .toml file.")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist.")
         try:

@@ -14,8 +14,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from torch.distributed import pipelining
-
 from ember.config import Config, ConfigError
 from ember.cost import block_forward_flops_per_token, output_forward_flops_per_token
 
@@ -34,6 +32,10 @@ RECOMPUTE = ("none", "selective", "full")
 
 @functools.cache
 def available_schedules() -> tuple[str, ...]:
+    # Imported here: torch.distributed.pipelining takes seconds to import, and `ember plan`
+    # answers a mistake in its arguments before it needs it.
+    from torch.distributed import pipelining
+
     return tuple(name for name, (_, _, cls) in SCHEDULES.items() if hasattr(pipelining, cls))
 
 

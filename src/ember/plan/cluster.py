@@ -38,6 +38,9 @@ from ember.plan.comm import Links
 from ember.plan.timing import LOSS_BWD_BYTES, LOSS_FWD_BYTES
 
 PROFILE_FORMAT = "ember-plan-profile/1"
+PROFILE_SECTIONS = {"format", "source", "gpu", "links", "stack", "matmuls", "measured"}
+STACK_CHOICES = {"attention": ("flash", "unfused"), "grad_dtype": ("bf16", "fp32"),
+                 "selective": ("elementwise", "attention", "half-matmul")}
 
 
 @dataclass(frozen=True)
@@ -144,10 +147,18 @@ class Stack:
     # pass fp32 intermediates through memory (plan/timing.py: eager_elementwise).
     fused_elementwise: bool = True
 
-    def runs_schedule(self, layout) -> bool:
-        """Whether this software runs `layout`'s pipeline schedule: DeepSpeed's engine has
-        only its own (TrainSchedule, priced as `pipeline_lockstep`), filed under 1f1b."""
-        return not self.pipeline_lockstep or layout.pp == 1 or layout.schedule == "1f1b"
+    def refusal(self, layout) -> str | None:
+        """Why this software cannot run `layout`, or None. DeepSpeed's pipeline engine (priced
+        as `pipeline_lockstep`) has only its own schedule (TrainSchedule, filed under 1f1b)
+        and asserts that ZeRO stays below stage 2 beside it."""
+        if not self.pipeline_lockstep or layout.pp == 1:
+            return None
+        if layout.schedule != "1f1b":
+            return f"--stack {self.name} runs only its own pipeline schedule; give schedule=1f1b for it"
+        if layout.zero >= 2:
+            return (f"--stack {self.name}'s pipeline engine refuses ZeRO-2 and 3 beside pipeline stages; "
+                    "give zero=0 or 1 with pp > 1")
+        return None
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""
@@ -253,6 +264,10 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
         raise ConfigError(f"profile file {path} is not valid JSON ({err}).") from None
     if not isinstance(data, dict) or data.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
         raise ConfigError(f"profile file {path} is not an {PROFILE_FORMAT} file.")
+    unknown = set(data) - PROFILE_SECTIONS
+    if unknown:
+        raise ConfigError(f"profile file {path} has unknown section(s) {', '.join(sorted(unknown))}; "
+                          f"it takes {', '.join(sorted(PROFILE_SECTIONS))}.")
     gpu_values = dict(_fields(GPU, data.get("gpu") or {}, f"{path} gpu"))
     if "name" not in gpu_values:
         raise ConfigError(f"profile file {path} must name its GPU (gpu.name).")
@@ -273,7 +288,29 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
             gpu = dataclasses.replace(gpu, matmul_times=_matmul_times(data["matmuls"], path))
     except TypeError as err:
         raise ConfigError(f"profile file {path} has a malformed value ({err}).") from None
+    _check_profile(gpu, links, stack, path)
     return gpu, links, stack, str(data.get("source", f"profile {path.name}"))
+
+
+def _check_profile(gpu: GPU, links: Links, stack: Stack, path: Path) -> None:
+    """What a profile's values must be beyond their kinds: rates that are rates, shares of a
+    datasheet figure that a measurement can reach, and names the planner knows."""
+    for where, obj, names in (("gpu", gpu, ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_gbps",
+                                            "inter_gbps", "matmul_eff", "attn_eff", "hbm_eff")),
+                              ("links", links, ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff",
+                                                "inter_eff")),
+                              ("stack", stack, ("kernel_eff", "attention_eff"))):
+        for name in names:
+            if not getattr(obj, name) > 0:
+                raise ConfigError(f"profile file {path}: {where}.{name} must be above 0, not {getattr(obj, name)!r}.")
+    for name, peak in (("matmul_eff", "peak_bf16_flops"), ("hbm_eff", "hbm_gbps")):
+        if getattr(gpu, name) > 1:  # a share of the datasheet peak, which nothing beats
+            raise ConfigError(f"profile file {path}: gpu.{name} is a share of gpu.{peak} and at most 1, not "
+                              f"{getattr(gpu, name)!r}; raise gpu.{peak} instead if the datasheet is wrong.")
+    for name, choices in STACK_CHOICES.items():
+        if getattr(stack, name) not in choices:
+            raise ConfigError(f"profile file {path}: stack.{name} must be one of {', '.join(choices)}, "
+                              f"not {getattr(stack, name)!r}.")
 
 
 def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
@@ -293,10 +330,13 @@ def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
     changes = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("intra_gbps", intra_gbps),
                                  ("inter_gbps", inter_gbps)) if v is not None}
     links = dataclasses.replace(links, **changes)
-    if n_gpus < 1 or links.gpus_per_node < 1:
-        raise ConfigError("--gpus and --gpus-per-node must be at least 1.")
-    if min(links.intra_gbps, links.inter_gbps) <= 0:
-        raise ConfigError("link bandwidths (--intra-bw, --inter-bw) must be positive GB/s.")
+    if n_gpus < 1:
+        raise ConfigError(f"--gpus must be at least 1, not {n_gpus}.")
+    if links.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be at least 1, not {links.gpus_per_node}.")
+    if not all(math.isfinite(bw) and bw > 0 for bw in (links.intra_gbps, links.inter_gbps)):
+        raise ConfigError(f"link bandwidths must be positive numbers of GB/s, not {links.intra_gbps:g} in a node "
+                          f"(--intra-bw) and {links.inter_gbps:g} between nodes (--inter-bw).")
     if n_gpus > links.gpus_per_node and n_gpus % links.gpus_per_node:
         raise ConfigError(f"--gpus {n_gpus} does not fill whole nodes of {links.gpus_per_node}; "
                           "use a multiple of --gpus-per-node.")

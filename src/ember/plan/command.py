@@ -84,6 +84,21 @@ def _stack(args, base):
     return replace(base, **changes)
 
 
+def _check_overrides(overrides: list[str]) -> None:
+    """`--set` of what the plan itself decides would be overridden by the layout it prints."""
+    from ember.layout import Layout
+
+    chosen = (set(Layout().settings(1)) | {"parallel.stage_layers"}) - {"train.global_batch"}
+    flags = {"train.global_batch": "--global-batch", "train.precision": "--precision"}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in flags:
+            raise ConfigError(f"--set {item}: give it to ember plan as {flags[key]}.")
+        if key in chosen:
+            raise ConfigError(f"--set {item}: ember plan chooses {key} itself; leave it out, or price a layout "
+                              "of your own with --layout.")
+
+
 def _setup(args):
     from ember.plan.cluster import make_cluster, write_profile
     from ember.plan.layout import PRECISIONS, TrainShape
@@ -108,6 +123,7 @@ def _setup(args):
         if args.save_profile:
             return None
         raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
+    _check_overrides(args.set)
     model, recipe = resolve_model(args.model, args.set)
     if recipe is not None and args.grad_dtype is None:  # the gradients `ember train` would reduce
         from ember.config import load_config
@@ -151,13 +167,17 @@ def run_plan(args) -> int:
             found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
             if found:
                 raise ConfigError(f"layout {layout.text()} cannot run: {found[0]}.")
-            if not cluster.stack.runs_schedule(layout):
-                raise ConfigError(f"--stack {cluster.stack.name} runs only its own pipeline schedule; "
-                                  "give schedule=1f1b for it.")
+            refusal = cluster.stack.refusal(layout)
+            if refusal:
+                raise ConfigError(f"layout {layout.text()} cannot run: {refusal}.")
         ranked = rank(model, cluster, shape, layouts)
-        p = ranked[0]
-        command = _command(p, model, recipe, cluster, shape, args.set)
+        p = ranked[0]  # the fastest that fits, if any does
+        command = _command(p, model, recipe, cluster, shape, args.set) if p.fits else None
         notes = (report.command_notes(model, recipe, p.layout, shape) if command else [])
+        if not p.fits:
+            which = "the layout" if len(layouts) == 1 else "none of the layouts"
+            notes.append(f"{which} fits in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
+                         "so no train command is given.")
         notes += report.interval_notes(ranked)
         if args.json:
             one = {**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from ember.config import ConfigError
@@ -54,11 +55,17 @@ _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 def parse_layout(text: str, n_gpus: int) -> Layout:
     """'tp=8,pp=12,dp=4,zero=1,mbs=1,recompute=full' -> Layout; dp defaults to what is left."""
     values: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    if not text.strip():
+        raise ConfigError("--layout is empty; give key=value items such as tp=2,pp=2,zero=1,mbs=1.")
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            raise ConfigError(f"--layout {text!r} has an empty item between commas.")
         key, eq, value = item.partition("=")
         key = key.strip().lower()
         if not eq or key not in _KEYS or not value.strip():
             raise ConfigError(f"--layout item {item!r} is not key=value with a key among {', '.join(_KEYS)}.")
+        if key in values:
+            raise ConfigError(f"--layout gives {key} twice ({text!r}); give each key once.")
         values[key] = value.strip().lower()
     ints = {}
     for key in _INT_KEYS:
@@ -102,7 +109,8 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(model, n_gpus: int, gpus_per_node: int, shape: TrainShape,

@@ -84,9 +84,10 @@ def table(predictions: list[Prediction]) -> Table:
         size = f"{mem.total / GIB:.1f}" if p.fits else f"[red]{mem.total / GIB:.1f}[/red]"
         dp = str(lo.dp) if lo.dp_replicate == 1 or lo.zero == 0 else f"{lo.dp_replicate}x{lo.dp_shard}"
         pp = str(lo.pp) + ("" if lo.pp == 1 or lo.schedule == "1f1b" else f" {lo.schedule}")
+        recompute = lo.recompute + (f" every {lo.recompute_every}" if lo.recompute_every > 1 else "")
         out.add_row(str(i), str(lo.tp), "y" if lo.sp else "", *([str(lo.cp)] if with_cp else []), pp,
                     str(lo.vpp) if lo.vpp > 1 else "", dp,
-                    str(lo.zero), str(lo.micro_batch), lo.recompute, f"{p.step_time_s:.3g}",
+                    str(lo.zero), str(lo.micro_batch), recompute, f"{p.step_time_s:.3g}",
                     f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{100 * p.mfu:.1f}%", _range(p), size,
                     f"{states:.1f}+{acts:.1f}+{other:.1f}", f"{100 * comm:.1f}%", f"{100 * p.shares['bubble']:.1f}%")
     return out

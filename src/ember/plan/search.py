@@ -32,7 +32,7 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     start = time.perf_counter()
     layouts = [lo for lo in candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs,
                                        fixed=fixed, ember_only=ember_only)
-               if cluster.stack.runs_schedule(lo) and not _runs_as_zero1(lo, cluster.stack, fixed)]
+               if cluster.stack.refusal(lo) is None and not _runs_as_zero1(lo, cluster.stack, fixed)]
     if not layouts and fixed:
         pinned = ",".join(f"{k}={v}" for k, v in fixed.items())
         raise ConfigError(f"no layout of {model.name} with {pinned} runs on {cluster.n_gpus} GPUs at a global "

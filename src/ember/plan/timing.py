@@ -131,7 +131,7 @@ def memory_s(nbytes: float, gpu) -> float:
 
 def flash_efficiency(seq: int, head_dim: int, gpu) -> float:
     head = (head_dim / (head_dim + ATTN_HEAD)) / (128 / (128 + ATTN_HEAD))
-    return gpu.attn_eff * seq / (seq + ATTN_SEQ) * head
+    return min(1.0, gpu.attn_eff * seq / (seq + ATTN_SEQ) * head)  # never above the tensor-core peak
 
 
 @dataclass(frozen=True)

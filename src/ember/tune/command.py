@@ -50,6 +50,9 @@ def _check_args(args) -> None:
             raise ConfigError(f"--{name} must be at least 1, not {getattr(args, name)}.")
     if args.warmup < 0 or args.timeout <= 0:
         raise ConfigError("--warmup must be 0 or more and --timeout positive.")
+    if args.warmup >= args.steps:  # the warm-up steps are part of a trial's --steps and not measured
+        raise ConfigError(f"--warmup ({args.warmup}) must be less than --steps ({args.steps}): a trial measures "
+                          "the steps after its warm-up.")
 
 
 def plan_trials(args):
