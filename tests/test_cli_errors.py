@@ -7,6 +7,7 @@ import pytest
 
 from conftest import REPO, TINY, ember_cmd
 from ember.cli import main
+from ember.config import ConfigError
 
 TINY_GPT = str(REPO / "configs/tiny-gpt.toml")
 
@@ -104,3 +105,58 @@ def test_paths_that_cannot_be_used_are_one_sentence(dataset, tmp_path, capsys):
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
     assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_out_never_writes_into_a_folder_that_is_not_a_run(dataset, tmp_path, capsys):
+    """A data folder or someone's notes given as --out: refused, every file as it was."""
+    notes = tmp_path / "run"
+    notes.mkdir()
+    (notes / "config.toml").write_text("my notes")
+    (notes / "plan.txt").write_text("keep me")
+    for extra in ([], ["--resume"]):
+        assert main(_train(dataset, tmp_path, "--budget", "2steps", *extra)) == 2
+        err = capsys.readouterr().err
+        assert "not an ember run (plan.txt)" in err and err.count("\n") == 1
+    assert (notes / "config.toml").read_text() == "my notes" and sorted(p.name for p in notes.iterdir()) == [
+        "config.toml", "plan.txt"]
+
+
+def test_resume_of_a_finished_run_changes_nothing(dataset, tmp_path, capsys):
+    """A requeued job whose run had finished: exit 0, and no file is written again."""
+    assert main(_train(dataset, tmp_path, "--budget", "3steps")) == 0
+    capsys.readouterr()
+    run = tmp_path / "run"
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    assert main(_train(dataset, tmp_path, "--budget", "2steps", "--resume")) == 0
+    out, err = capsys.readouterr()
+    assert "already finished after 3 steps" in out and "nothing was changed" in err
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_resume_refuses_data_cut_to_another_length(tmp_path):
+    from ember.train.setup import check_resume_data
+
+    (tmp_path / "data.json").write_text('{"tokenizer_sha256": "aaa", "seq_len": 64}')
+    check_resume_data({"tokenizer_sha256": "aaa", "seq_len": 64}, tmp_path / "data.json")
+    with pytest.raises(ConfigError, match="sequences of 32 tokens but the run being resumed trained on 64"):
+        check_resume_data({"tokenizer_sha256": "aaa", "seq_len": 32}, tmp_path / "data.json")
+
+
+def test_a_damaged_checkpoint_state_is_one_sentence(dataset, tmp_path, capsys):
+    assert main(_train(dataset, tmp_path, "--budget", "2steps", "--set", "train.checkpoint_every=1steps")) == 0
+    capsys.readouterr()
+    newest = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    (newest / "state.json").write_text("garbage")
+    assert main(_train(dataset, tmp_path, "--budget", "4steps", "--resume")) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint is damaged" in err and f"{newest.name}.damaged" in err and err.count("\n") == 1
+    newest.rename(newest.with_name(newest.name + ".damaged"))  # what the sentence says to do
+    assert main(_train(dataset, tmp_path, "--budget", "4steps", "--resume")) == 0
+
+
+def test_a_fractional_step_budget_is_refused():
+    from ember.budget import parse_budget
+
+    assert parse_budget("2steps").amount == 2
+    with pytest.raises(ConfigError, match="not a whole number of steps"):
+        parse_budget("1.5steps")

@@ -41,7 +41,10 @@ def parse_budget(text: str, name: str = "budget") -> Budget:
             "tokens (1e8tok) or steps (500steps)."
         )
     kind, scale = unit
-    return Budget(kind, float(match.group(1)) * scale)
+    amount = float(match.group(1)) * scale
+    if kind == "steps" and not amount.is_integer():
+        raise ConfigError(f"{name} {text!r} is not a whole number of steps.")
+    return Budget(kind, amount)
 
 
 def parse_interval(text: str, name: str) -> Budget:

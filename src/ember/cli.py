@@ -26,6 +26,10 @@ def _cmd_train(args) -> int:
     trainer.close()
     if trainer.rank == 0:  # under torchrun, one summary for the whole run
         _print_summary(summary)
+    if summary["status"] == "already finished":
+        print("the run had already reached its budget, so nothing was changed; give a larger --budget with "
+              "--resume to train further", file=sys.stderr)
+        return 0
     if summary["status"] == "interrupted":
         print("stopped early; continue with the same command and --resume", file=sys.stderr)
         return 128 + (signal.SIGINT if trainer.stopped_by is None else trainer.stopped_by)
@@ -38,11 +42,15 @@ def _cmd_train(args) -> int:
 
 def _print_summary(s: dict) -> None:
     lines = [f"{s['status']} after {s['steps']:,} steps, {s['tokens']:,} tokens, {s['elapsed_s']:.0f}s on {s['device']}",
-             f"  train loss {s['train_loss']:.4f}   held-out loss {s['val_loss']:.4f}"]
+             f"  train loss {_loss(s['train_loss'])}   held-out loss {_loss(s['val_loss'])}"]
     if s.get("unigram_entropy"):
         lines[-1] += f"   (unigram baseline {s['unigram_entropy']:.4f})"
     lines.append(f"  {s['tokens_per_s']:,.0f} tokens/s   run directory {s['run_dir']}")
     print("\n".join(lines))
+
+
+def _loss(value) -> str:
+    return "-" if value is None or value != value else f"{value:.4f}"  # None or NaN: never measured
 
 
 def _measure_tp_block(device, iters: int) -> dict:
@@ -120,6 +128,10 @@ def _run(argv: list[str] | None) -> int:
         name = name[:-4] if name.endswith(".tmp") else name  # the atomic writer's temporary name
         print(f"ember: error: cannot use {name or 'a file'} ({err.strerror or err}).", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training's own handler is installed, or in a verb without one
+        print("ember: interrupted; what was written so far is complete (the same command continues a "
+              "preparation or, with --resume, a run)", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -254,3 +254,16 @@ def test_the_tokenizer_can_be_trained_on_the_first_documents_only(synthetic, tmp
     assert sampled["input_documents"] == full["input_documents"] == len(docs)
     with pytest.raises(DataError, match="tokenizer_documents"):
         prepare([src], tmp_path / "bad", tokenizer_documents=-1, **args)
+
+
+def test_prepare_never_writes_into_a_folder_that_is_not_a_preparation(tmp_path):
+    """A run directory given as --out: its tokenizer.json would be replaced."""
+    text = tmp_path / "t.txt"
+    text.write_text("some words here\n\nand more words there\n" * 50)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tokenizer.json").write_text("the run's own")
+    (run / "config.toml").write_text("[model]")
+    with pytest.raises(DataError, match=r"holds files that are not a preparation's \(config.toml\)"):
+        prepare([str(text)], run, tokenizer="bpe", vocab_size=300, seq_len=16, progress=False)
+    assert (run / "tokenizer.json").read_text() == "the run's own"

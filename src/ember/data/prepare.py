@@ -34,7 +34,7 @@ from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
-from ember.data.resume import clear_state, fingerprint, load_state, save_state, written_files
+from ember.data.resume import STATE_FILE, clear_state, fingerprint, load_state, save_state, written_files
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
 from ember.data.sources import MAX_DOCUMENT_BYTES, new_counts
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
@@ -72,6 +72,12 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
         raise DataError(f"--out {out_dir} is a file; choose a folder.")
     if (out_dir / MANIFEST).exists():
         raise DataError(f"{out_dir} already holds prepared data; choose another --out or delete it.")
+    names = [p.name for p in out_dir.iterdir() if not p.name.startswith(".")] if out_dir.is_dir() else []
+    others = sorted(n for n in names if not _LEFTOVER.match(n) and n != STATE_FILE)
+    started = any(n == STATE_FILE or n.endswith(".npy") for n in names)  # an interrupted preparation
+    if others and not started:  # a run directory, someone's notes: its tokenizer.json would be replaced
+        raise DataError(f"--out {out_dir} holds files that are not a preparation's ({', '.join(others[:3])}); "
+                        "give a new or empty folder.")
 
 
 def remove_leftovers(out_dir: Path, keep: set[str] = frozenset()) -> None:

@@ -93,8 +93,10 @@ def open_run(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Run
     tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
     vocab = vocabulary_size(tok)
     if vocab > config.model.vocab_size:
+        fix = ("pass the run's own tokenizer with --tokenizer" if tokenizer is not None else
+               "copy the tokenizer.json of the data the run was trained on (data.json names its folder) back into it")
         raise ConfigError(f"the tokenizer {tok_file} has {vocab} tokens but the model was trained on a "
-                          f"vocabulary of {config.model.vocab_size}; pass the run's own tokenizer with --tokenizer.")
+                          f"vocabulary of {config.model.vocab_size}; {fix}.")
     data_path = run_dir / "data.json"
     data = json.loads(data_path.read_text()) if data_path.is_file() else {}
     trained_with = data.get("tokenizer_sha256")

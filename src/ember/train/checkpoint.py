@@ -284,8 +284,10 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
             dcp.load(to_load, checkpoint_id=str(path))
     except dcp.CheckpointException as err:  # raised on every rank alike
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise ConfigError(f"{path} does not hold the state of this model ({lines[-1] if lines else 'unreadable'}); "
-                          "resume with the model settings the run was saved with.") from None
+        raise ConfigError(f"{path} cannot be loaded into this model ({lines[-1] if lines else 'unreadable'}): "
+                          "resume with the model settings the run was saved with, or, if they are those, the "
+                          f"checkpoint is damaged: rename it to {path.name}.damaged and --resume takes the one "
+                          "before it.") from None
     for i, part in enumerate(parts):
         set_model_state_dict(part, {k: to_load["model"][k] for k in model_keys[i]})
         if optimizers is not None:
@@ -294,8 +296,24 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
                                      options=_OPTIM)
             for group, kept in zip(optimizers[i].param_groups, how):
                 group.update(kept)
-    saved = json.loads((path / LAYOUT_FILE).read_text())
+    saved = _read_json(path / LAYOUT_FILE)
     rng_file = path / "rng" / f"rank_{rank():05d}.pt"
-    if optimizers is not None and restores_rng(saved, world(), layout) and rng_file.is_file():
+    if optimizers is not None and restores_rng(saved, world(), layout):
+        if not rng_file.is_file():  # without it the run's dropout and masking would draw other numbers
+            raise ConfigError(f"{path} lacks {rng_file.relative_to(path)}, so the run cannot continue exactly; "
+                              f"rename the checkpoint to {path.name}.damaged and --resume takes the one before it.")
         set_rng_state(torch.load(rng_file, weights_only=True))
-    return json.loads((path / "state.json").read_text())
+    return read_state(path)
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's `state.json`: the trainer's progress and data position."""
+    return _read_json(Path(path) / "state.json")
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{file} cannot be read ({type(err).__name__}): the checkpoint is damaged; rename "
+                          f"it to {file.parent.name}.damaged and --resume takes the one before it.") from None

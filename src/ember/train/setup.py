@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ember.atomic import TMP_SUFFIX
 from ember.config import Config, ConfigError, OptimConfig
 from ember.data.manifest import has_document_boundaries
 from ember.train import checkpoint
@@ -96,24 +97,66 @@ def check_resume_config(config: Config, saved_path: Path) -> None:
 
 
 def check_resume_data(manifest: dict, saved_path: Path) -> None:
-    """A resumed run must read data made with the same tokenizer."""
+    """A resumed run must read the same rows: data made with the same tokenizer, cut into
+    sequences of the same length (the saved data position counts rows)."""
     if not saved_path.exists():
         return
-    saved = json.loads(saved_path.read_text()).get("tokenizer_sha256")
-    if saved and saved != manifest.get("tokenizer_sha256"):
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ConfigError(f"{saved_path} is damaged (not JSON); it records the data the run was trained on, "
+                          "so the run cannot be resumed safely: start a new run in another --out.") from None
+    if saved.get("tokenizer_sha256") and saved["tokenizer_sha256"] != manifest.get("tokenizer_sha256"):
         raise ConfigError("--data was prepared with another tokenizer than the run being resumed; "
                           "resume with the run's own data or start a new run in another --out.")
+    if saved.get("seq_len") and int(saved["seq_len"]) != int(manifest["seq_len"]):
+        raise ConfigError(f"--data holds sequences of {manifest['seq_len']} tokens but the run being resumed "
+                          f"trained on {saved['seq_len']}; resume with the run's own data or start a new run "
+                          "in another --out.")
+
+
+# What `ember train` writes into a run directory: a folder holding anything else is not a run.
+# (Hidden files, and the `.tmp` names of writes a crash cut short, are not counted either way.)
+RUN_FILES = {"config.toml", "data.json", "tokenizer.json", "metrics.jsonl", "checkpoints", "summary.json",
+             "model.safetensors", "loss.png", "throughput.png", "eval", "tensorboard", "wandb", "wandb_id",
+             "trackio"}
 
 
 def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None for a fresh run). A run directory that already
-    holds a run is never restarted without --resume, and a resumed run must be the same run."""
+    holds a run is never restarted without --resume, a resumed run must be the same run,
+    and a folder that holds other files is never written into."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out {run_dir} is a file; give a folder for the run.")
+    present = ({p.name for p in run_dir.iterdir() if not p.name.startswith(".") and not p.name.endswith(TMP_SUFFIX)}
+               if run_dir.is_dir() else set())
+    if present - RUN_FILES:
+        raise ConfigError(f"--out {run_dir} holds files that are not an ember run "
+                          f"({', '.join(sorted(present - RUN_FILES)[:3])}); give a new or empty folder.")
     newest = checkpoint.latest(run_dir)
     if not resume:
-        if newest is not None or (run_dir / "metrics.jsonl").exists():
+        if present:
             raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out.")
         return None
     if newest is not None:
         check_resume_config(config, run_dir / "config.toml")
         check_resume_data(manifest, run_dir / "data.json")
     return newest
+
+
+def finished_summary(run_dir: Path, newest: Path | None, fraction) -> dict | None:
+    """The summary of a run that `--resume` finds already finished: its newest checkpoint is
+    at the end of the budget (`fraction(progress)` >= 1) and the model file and summary of that
+    step were written. None where there is training, or finishing, left to do."""
+    if newest is None:
+        return None
+    progress = checkpoint.read_state(newest)["progress"]
+    if fraction(progress) < 1.0 or not (run_dir / "model.safetensors").is_file():
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "finished" or summary.get("steps") != progress.get("step"):
+        return None
+    return summary | {"status": "already finished"}

@@ -42,7 +42,7 @@ from ember.train.model_file import save_model
 from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.trackers import open_trackers
-from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, resolve
+from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, finished_summary, resolve
 
 
 class Trainer:
@@ -60,6 +60,9 @@ class Trainer:
         self.device = pick_device(cfg.train.device)
         self.parallel = check_run(cfg, self.world, self.seq_len, self.device.type)
         self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
+        # A requeued job whose run had already finished: nothing to build, write or train.
+        self.finished = finished_summary(self.run_dir, self.resume_from,
+                                         lambda progress: Progress(**progress).fraction(self.budget))
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)
@@ -153,6 +156,8 @@ class Trainer:
     # ---- the run ----------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        if self.finished is not None:
+            return self.finished
         self.build()
         progress = Progress()
         if self.resume_from is not None:
@@ -312,8 +317,9 @@ class Trainer:
         }
         if status == "finished":
             save_model(self.engine.parts, self.run_dir / "model.safetensors")
-        if self.topo.is_main:
-            write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+        if self.topo.is_main:  # a loss never measured (no step logged) is null, not NaN: strict JSON
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+            write_text(self.run_dir / "summary.json", json.dumps(finite, indent=1))
         return summary
 
     def release(self) -> None:
