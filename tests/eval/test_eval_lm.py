@@ -84,3 +84,15 @@ def test_a_sharded_checkpoint_scores_like_the_model_it_holds(dataset, tmp_path_f
     torch.nn.init.zeros_(model.head.weight)  # a different model scores differently: the test can fail
     save(sharded, 8, [model], [torch.optim.AdamW(model.parameters())], {"progress": {"step": 8}})
     assert evaluate_lm(sharded, dataset, batches=1)["loss"] != pytest.approx(final["loss"], rel=1e-3)
+
+
+def test_a_checkpoints_numbers_do_not_replace_the_final_models(dataset, tmp_path_factory, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run("causal", dataset, tmp_path_factory), run)
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"]) == 0
+    assert main(["eval", "lm", "--checkpoint", str(step), "--data", str(dataset), "--batches", "1"]) == 0
+    capsys.readouterr()
+    final = json.loads((run / "eval" / "lm.json").read_text())
+    earlier = json.loads((run / "eval" / f"lm_{step.name}.json").read_text())
+    assert final["weights"].endswith("model.safetensors") and earlier["weights"] == str(step)

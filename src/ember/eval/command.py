@@ -29,6 +29,7 @@ def _cmd_glue(args) -> int:
 def _cmd_lm(args) -> int:
     from ember.atomic import write_text
     from ember.eval.lm import evaluate_lm
+    from ember.eval.run import result_path
 
     result = evaluate_lm(args.checkpoint, args.data, batches=args.batches, batch_size=args.batch_size,
                          device=args.device)
@@ -39,7 +40,7 @@ def _cmd_lm(args) -> int:
     if result["unigram_entropy"]:
         line += f"\n  unigram baseline {result['unigram_entropy']:.4f}"
     print(line)
-    out = Path(args.out) if args.out else Path(result["checkpoint"]) / "eval" / "lm.json"
+    out = Path(args.out) if args.out else result_path(result["checkpoint"], result["weights"], "eval", "lm")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(result, indent=1))
     print(f"written to {out}")
@@ -56,7 +57,8 @@ def register_eval(verbs) -> None:
     glue.add_argument("--tasks", help="comma-separated: cola,sst2,mrpc,stsb,qqp,mnli,qnli,rte (default: all)")
     glue.add_argument("--seeds", type=int, default=5, help="fine-tuning runs per task; the median is reported")
     glue.add_argument("--tokenizer", help="tokenizer.json (default: the one in the run directory)")
-    glue.add_argument("--out", help="results file (.json) or folder (default: RUN_DIR/eval/glue/results.json)")
+    glue.add_argument("--out", help="results file (.json) or folder (default: RUN_DIR/eval/glue/results.json; "
+                           "results_step_N.json for a checkpoint)")
     glue.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     glue.add_argument("--jobs", type=int, default=1,
                       help="fine-tuning runs (tasks x seeds) at once, in processes on the CPU, each with "
@@ -72,6 +74,7 @@ def register_eval(verbs) -> None:
     lm.add_argument("--data", required=True, help="folder written by `ember data prepare` (its val split is used)")
     lm.add_argument("--batches", type=int, help="score only this many batches (default: the whole val split)")
     lm.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's train.micro_batch)")
-    lm.add_argument("--out", help="JSON file for the numbers (default: RUN_DIR/eval/lm.json)")
+    lm.add_argument("--out", help="JSON file for the numbers (default: RUN_DIR/eval/lm.json; "
+                                        "lm_step_N.json for a checkpoint)")
     lm.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     lm.set_defaults(func=_cmd_lm)

@@ -37,7 +37,7 @@ METRIC_NAMES = {"accuracy": "acc", "f1": "F1", "matthews": "MCC", "pearson": "Pe
 
 def results_path(run: Run, out: str | Path | None) -> Path:
     if out is None:
-        return run.run_dir / "eval" / "glue" / "results.json"
+        return run.result_path("eval/glue", "results")
     out = Path(out)
     return out if out.suffix == ".json" else out / "results.json"
 

@@ -37,6 +37,9 @@ class Run:
     def objective(self) -> str:
         return self.config.model.objective
 
+    def result_path(self, folder: str, stem: str) -> Path:
+        return result_path(self.run_dir, self.weights, folder, stem)
+
     def build_model(self, dropout: float | None = None, device: str | torch.device = "cpu") -> Transformer:
         """The trained Transformer; `dropout` overrides the recipe's (fine-tuning uses 0.1)."""
         cfg = self.config.model if dropout is None else replace(self.config.model, dropout=dropout)
@@ -60,6 +63,17 @@ def _locate(path: Path) -> tuple[Path, Path]:
         return run_dir, _weights_in(path)
     raise ConfigError(f"{path} is not an ember run directory (no config.toml); "
                       "pass the --out folder of `ember train` or one of its checkpoints/step_* folders.")
+
+
+def result_path(run_dir: Path, weights: Path, folder: str, stem: str) -> Path:
+    """Where an evaluation of `weights` is written by default: `RUN_DIR/folder/stem.json` for
+    the final model, `stem_step_N.json` for a checkpoint's, so that scoring an earlier
+    checkpoint never replaces the final model's numbers."""
+    run_dir, weights = Path(run_dir), Path(weights)
+    if weights == run_dir / "model.safetensors":
+        return run_dir / folder / f"{stem}.json"
+    checkpoint = weights if weights.suffix != ".safetensors" else weights.parent
+    return run_dir / folder / f"{stem}_{checkpoint.name}.json"
 
 
 def _weights_in(folder: Path) -> Path:
