@@ -106,3 +106,74 @@ def test_other_mistakes_are_one_sentence(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     assert main(["data", "stats", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_lone_surrogates_and_the_byte_limit_in_json_lines(tmp_path):
+    """JSON's \\ud800 escape decodes to a lone surrogate no UTF-8 encoder takes: repaired and
+    counted like undecodable bytes. max_document_bytes holds for JSON lines too."""
+    src = _good(tmp_path / "a.jsonl")
+    with open(src, "a") as handle:
+        handle.write('{"text": "a lone \\ud800 surrogate in a scraped row"}\n')
+        handle.write(json.dumps({"text": "long " * 400}) + "\n")  # 2,000 bytes
+    m = prepare([src], tmp_path / "out", **ARGS, max_document_bytes=1000)
+    assert m["non_utf8_documents"] == 1 and m["skipped_inputs"]["too_long"] == 1
+    assert m["input_documents"] == 201
+
+
+def test_damaged_or_mistyped_inputs_are_one_sentence(tmp_path, capsys):
+    import zstandard
+
+    src = _good(tmp_path / "a.jsonl")
+    packed = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(src.read_bytes()))
+    packed[len(packed) // 2] ^= 0xFF  # the frame's checksum catches it
+    (tmp_path / "b.jsonl.zst").write_bytes(bytes(packed))
+    configs = {"lowercase.toml": '[clean]\nlowercase = "yes"\n', "threshold.toml": '[dedup]\nthreshold = "0.8"\n',
+               "perm.toml": "[dedup]\nnum_perm = 16.5\n", "clean.toml": "clean = 5\n"}
+    for name, text in configs.items():
+        (tmp_path / name).write_text(text)
+    for argv, words in [
+        ([str(tmp_path / "b.jsonl.zst")], "is not a readable .zst file"),
+        ([str(src), "--config", str(tmp_path / "lowercase.toml")], "[clean] lowercase = 'yes' must be true or false"),
+        ([str(src), "--config", str(tmp_path / "threshold.toml")], "[dedup] threshold = '0.8' must be a number"),
+        ([str(src), "--config", str(tmp_path / "perm.toml")], "[dedup] num_perm = 16.5 must be a whole number"),
+        ([str(src), "--config", str(tmp_path / "clean.toml")], "[clean] must be a table of settings"),
+        (["--source", f"{src}:inf", "--source", f"{src}:1"], "weights must be positive numbers"),
+        (["--source", f"{src}:1e308", "--source", f"{src}:1e308"], "add up to more than a float holds"),
+        ([str(src), "--vocab-size", "2000000000"], "too large to train"),
+        ([str(tmp_path)], "lies inside the input folder"),
+    ]:
+        out = tmp_path / "o" if argv != [str(tmp_path)] else tmp_path / "o_inside"
+        assert main(["data", "prepare", *argv, "--out", str(out), "--quiet", "--workers", "0"]) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_refused_preparation_leaves_no_files(tmp_path, capsys):
+    src = _good(tmp_path / "a.jsonl", n=20)
+    out = tmp_path / "o"
+    assert main(["data", "prepare", str(src), "--out", str(out), "--seq-len", "100000", "--vocab-size", "300",
+                 "--quiet", "--workers", "0"]) == 2
+    assert "too short" in capsys.readouterr().err and not out.exists()
+    out.mkdir()  # a folder the user made stays, empty
+    assert main(["data", "prepare", str(src), "--out", str(out), "--seq-len", "100000", "--vocab-size", "300",
+                 "--quiet", "--workers", "0"]) == 2
+    assert out.is_dir() and not any(out.iterdir())
+
+
+def test_every_document_read_is_kept_or_counted_where_it_went(tmp_path):
+    """ASCII-only cleaning empties the CJK rows and exact dedup drops the repeats: the
+    manifest accounts for each document read (an empty row is skipped before it counts)."""
+    from ember.data.clean import CleanConfig
+    from ember.data.dedup import DedupConfig
+
+    src = _good(tmp_path / "a.jsonl", n=100)
+    with open(src, "a") as handle:
+        for i in range(5):
+            handle.write(json.dumps({"text": "漢字だけの文書です"}) + "\n")  # nothing left once ASCII-only
+        handle.write(json.dumps({"text": "Row 7 holds a plain sentence about data and models."}) + "\n")
+        handle.write(json.dumps({"text": "   "}) + "\n")
+    m = prepare([src], tmp_path / "out", **ARGS, clean=CleanConfig(ascii_only=True), dedup=DedupConfig(exact=True))
+    assert m["cleaning"]["dropped"] == {"empty": 5} and m["dedup"]["exact_duplicates"] == 1
+    assert m["skipped"]["empty"] == 1
+    assert m["input_documents"] == m["documents"] + 5 + 1 == 106

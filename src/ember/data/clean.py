@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import unicodedata
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
-from ember.data.errors import DataError
+from ember.data.errors import DataError, typed_table
 
 NORMALIZE = ("NFC", "NFKC")
 TRANSFORMS = ("normalize", "strip_accents", "lowercase", "ascii_only")
@@ -38,11 +38,7 @@ class CleanConfig:
 
     @classmethod
     def from_dict(cls, table: dict | None) -> CleanConfig:
-        table = dict(table or {})
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(table) - names)
-        if unknown:
-            raise DataError(f"[clean] has no setting {', '.join(unknown)}; it knows {', '.join(sorted(names))}.")
+        table = typed_table(cls, table, "clean")
         if "max_top_ngram_fraction" in table:
             try:
                 table["max_top_ngram_fraction"] = {int(n): float(f) for n, f in table["max_top_ngram_fraction"].items()}

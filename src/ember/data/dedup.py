@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ember.data.errors import DataError
+from ember.data.errors import DataError, typed_table
 
 _SPACE = re.compile(r"\s+")
 _WORD = re.compile(r"\w+")
@@ -33,12 +33,7 @@ class DedupConfig:
 
     @classmethod
     def from_dict(cls, table: dict | None) -> DedupConfig:
-        table = dict(table or {})
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(table) - names)
-        if unknown:
-            raise DataError(f"[dedup] has no setting {', '.join(unknown)}; it knows {', '.join(sorted(names))}.")
-        config = cls(**table)
+        config = cls(**typed_table(cls, table, "dedup"))
         if not 0 < config.threshold < 1:
             raise DataError(f"[dedup] threshold {config.threshold} must lie in (0, 1); 0.8 is typical.")
         if config.num_perm < 16 or config.shingle < 1:

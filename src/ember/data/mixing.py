@@ -13,6 +13,7 @@ without weights are read one after the other, each whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ def parse_source(text) -> Source:
             weight = float(tail)
         except ValueError:
             return Source(text)
-        if not weight > 0:
+        if not 0 < weight < math.inf:
             raise DataError(f"source {text} has weight {tail}; weights must be positive numbers.")
         return Source(head, weight)
     return Source(text)
@@ -60,7 +61,8 @@ def source_from_table(table: dict) -> Source:
         raise DataError(f"a [[source]] table needs path and may hold {', '.join(sorted(allowed - {'path'}))}; "
                         f"it has {', '.join(sorted(table))}.")
     weight = table.get("weight")
-    if weight is not None and not (isinstance(weight, (int, float)) and weight > 0):
+    if weight is not None and not (isinstance(weight, (int, float)) and not isinstance(weight, bool)
+                                   and 0 < weight < math.inf):
         raise DataError(f"source {table['path']} has weight {weight!r}; weights must be positive numbers.")
     return Source(str(table["path"]), None if weight is None else float(weight), table.get("text_field"),
                   table.get("split"), table.get("data_files"), table.get("config"))
@@ -75,6 +77,9 @@ def check_sources(sources: list[Source], stopping: str) -> None:
     weighted = [s.weight is not None for s in sources]
     if any(weighted) and not all(weighted):
         raise DataError("give every source a weight (path:weight) or none of them.")
+    if all(weighted) and not sum(s.weight for s in sources) < math.inf:  # shares are weight / total
+        raise DataError("the sources' weights add up to more than a float holds; give them as shares, "
+                        "e.g. 0.7 and 0.3.")
     for source in sources:
         input_files([source.path])
 

@@ -8,8 +8,12 @@ read only as fast as the workers consume it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
+import os
+import signal
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +33,22 @@ BATCH_DOCUMENTS = 1000
 HISTOGRAM_BINS = 32  # document lengths in tokens, bin k holding [2**k, 2**(k+1))
 
 
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT held back while workers start. A spawned process inherits the blocked mask, so
+    a Ctrl-C that reaches the whole group waits in a new worker until its initializer ignores
+    it (no traceback from a half-started interpreter), and in the main process until the
+    workers are up, when it raises KeyboardInterrupt there (which stops the pool)."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class Workers:
     """`work.process` on batches, in `n` spawned processes (none: in this process)."""
 
@@ -45,6 +65,9 @@ class Workers:
             self.pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=init_worker,
                                             initargs=(tokenizer_json, clean, dedup, n > 1, True, curriculum))
+            with _sigint_blocked():  # a Ctrl-C is the main process's to handle
+                for started in [self.pool.submit(os.getpid) for _ in range(n)]:  # one submit spawns one
+                    started.result()
 
     def map(self, items: Iterator[tuple[object, list[str]]]) -> Iterator[tuple[object, BatchResult]]:
         if self.pool is None:

@@ -53,7 +53,8 @@ def load_prep_config(path: Path) -> dict:
         if key not in PREPARE_KEYS:
             raise DataError(f"[prepare] has no setting {key}; it knows {', '.join(sorted(PREPARE_KEYS))}.")
         kind = PREPARE_KEYS[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        accepted = (int, float) if kind is float else kind  # `val_fraction = 0` is a TOML integer
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
             raise DataError(f"[prepare] {key} = {value!r} has the wrong type.")
         out[key] = float(value) if kind is float else value
     if "source" in table:

@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import re
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,6 +45,9 @@ FORMAT = "ember-shards/1"
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 CURRICULA = ("sentence-length",)  # per-row keys `--curriculum` can record
+# The tokenizers library allocates tables in proportion to the vocabulary before it reads
+# a document: 2e9 asked for 141 GB and aborted the process.
+MAX_TRAINED_VOCAB = 2**22
 _LEFTOVER = re.compile(r"^((train|val)_(\d{5,}(\.npy|\.docs\.npz)|curriculum\.npy)|tokenizer\.json|manifest\.json)"
                        + "(" + re.escape(TMP_SUFFIX) + ")?$")
 
@@ -63,13 +67,19 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
     if tokenizer in KINDS and vocab_size < min_vocab_size(tokenizer):
         raise DataError(f"vocab_size {vocab_size} is too small for {tokenizer}; "
                         f"use at least {min_vocab_size(tokenizer)}.")
-    if tokenizer in KINDS and vocab_size > 2**32 - 1:
-        raise DataError(f"vocab_size {vocab_size} is too large; use at most {2**32 - 1}.")
+    if tokenizer in KINDS and vocab_size > MAX_TRAINED_VOCAB:
+        raise DataError(f"vocab_size {vocab_size:,} is too large to train; use at most {MAX_TRAINED_VOCAB:,} "
+                        "(the largest vocabularies in use hold about 256k tokens).")
     if not isinstance(workers, int) or workers < 0:
         raise DataError(f"workers {workers!r} must be a whole number >= 0 (0: tokenize in this process).")
     check_sources(sources, stopping)  # raises DataError for missing inputs or folders without text
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir} is a file; choose a folder.")
+    for source in sources:  # a folder input is searched again while the output grows in it
+        folder = Path(source.path)
+        if folder.is_dir() and out_dir.resolve().is_relative_to(folder.resolve()):
+            raise DataError(f"--out {out_dir} lies inside the input folder {folder}, whose files are read as text; "
+                            "put the output elsewhere.")
     if (out_dir / MANIFEST).exists():
         raise DataError(f"{out_dir} already holds prepared data; choose another --out or delete it.")
     names = [p.name for p in out_dir.iterdir() if not p.name.startswith(".")] if out_dir.is_dir() else []
@@ -165,6 +175,8 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     if kind == "file" and state is None:  # a trained tokenizer's leftovers are this command's own: redo them
         _refuse_other_tokenizer(out_dir, tokenizer_text)
 
+    existed = out_dir.exists()
+    fresh = not existed or not any(out_dir.iterdir())  # then a refusal leaves nothing behind
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_leftovers(out_dir, keep={TOKENIZER_FILE} | (written_files(state) if state else set()))
@@ -191,7 +203,6 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
                 result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options,
                                    resume=state, save=saver(True))
         counts = _total_counts(sources)
-        counts["empty"] += result.dropped.pop("empty", 0)
         if counts["documents"] == 0:
             raise DataError(f"the inputs hold no documents ({counts['not_json']} rows were not JSON, "
                             f"{counts['no_text_field']} had no text field); check the files and their format.")
@@ -236,6 +247,11 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         }
         write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         clear_state(out_dir)
+    except DataError:
+        if fresh and not (out_dir / STATE_FILE).exists():  # no completed shard to continue from
+            for made in (out_dir.iterdir() if existed else [out_dir]):
+                shutil.rmtree(made, ignore_errors=True) if made.is_dir() else made.unlink(missing_ok=True)
+        raise
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DataError(f"the disk holding {out_dir} is full ({err.strerror}); free some space and run the "

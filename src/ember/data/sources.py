@@ -17,6 +17,7 @@ import glob
 import gzip
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,14 +188,24 @@ def _row_text(row, text_field: str, damaged: bool, counts: dict[str, int]) -> st
     if not text:
         counts["empty"] += 1
         return None
+    if not text.isascii() and _SURROGATE.search(text):
+        # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 encoder (the
+        # tokenizer's, the shards' text) accepts: repaired as undecodable bytes are.
+        text, damaged = _SURROGATE.sub("\ufffd", text), True
     if damaged and "\ufffd" in text:
         counts["non_utf8_documents"] += 1
     return text
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _jsonl_documents(handle, text_field: str, counts: dict[str, int], limit: int) -> Iterator[str]:
     for raw in _lines(handle, limit, counts):
         if raw is None or not raw.strip():
+            continue
+        if len(raw) > limit:  # the row's bytes bound its text's (JSON escapes only add)
+            counts["too_long"] += 1
             continue
         line, damaged = _decode(raw)
         try:
@@ -222,7 +233,7 @@ def _parquet_documents(path: Path, text_field: str, counts: dict[str, int], limi
                         "pass --text-field with the text column's name.")
     for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
         for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and len(text) > limit:
+            if isinstance(text, str) and len(text) * 4 > limit and len(text.encode("utf-8", "replace")) > limit:
                 counts["too_long"] += 1
                 continue
             text = _row_text({text_field: text}, text_field, False, counts)
@@ -262,11 +273,20 @@ def _read_lines_format(path: Path, fmt: str, compression: str, text_field: str,
                 yield from _txt_documents(handle, counts, limit)
             else:
                 yield from _jsonl_documents(handle, text_field, counts, limit)
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, *_decompression_errors()) as err:
             if isinstance(err, OSError) and err.errno is not None:
                 raise
             raise DataError(f"{path} is not a readable {compression or fmt} file ({err}); "
                             "check the file.") from None
+
+
+def _decompression_errors() -> tuple[type[Exception], ...]:
+    """What a damaged compressed stream raises beyond OSError (gzip's) and EOFError."""
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)
 
 
 def iter_documents(inputs: list, text_field: str = "text",

@@ -52,8 +52,11 @@ def init_worker(tokenizer_json: str, clean: dict, dedup: dict, single_thread: bo
         # Several worker processes already use every core; threads inside each would contend.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if subprocess:
-        # Ctrl-C is the main process's to handle (it stops the pool); workers just end.
+        # Ctrl-C is the main process's to handle (it stops the pool); workers just end. The
+        # worker starts with SIGINT blocked (pipeline._sigint_blocked): a pending one is dropped.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from tokenizers import Tokenizer
 
     _STATE["tok"] = Tokenizer.from_str(tokenizer_json)
