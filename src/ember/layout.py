@@ -30,6 +30,12 @@ ZERO_BUBBLE = ("zero_bubble", "zbv")  # they split backward in two, which compil
 RECOMPUTE = ("none", "selective", "full")
 
 
+def layout_keys() -> set[str]:
+    """The config keys a layout sets (`Layout.settings`, and an uneven split), which `ember
+    plan` and `ember tune` choose themselves: a `--set` of one would be overridden."""
+    return (set(Layout().settings(1)) | {"parallel.stage_layers"}) - {"train.global_batch"}
+
+
 @functools.cache
 def available_schedules() -> tuple[str, ...]:
     # Imported here: torch.distributed.pipelining takes seconds to import, and `ember plan`

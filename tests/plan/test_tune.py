@@ -155,6 +155,10 @@ def test_best_recipe_is_the_recipe_with_the_layout(recipe):
     (["RECIPE", "--nproc", "1", "--top", "0"], "--top must be at least 1"),
     (["RECIPE", "--nproc", "1", "--profile", "SMALL"], "no layout of tiny fits"),
     (["RECIPE", "--nproc", "3"], "no layout of tiny divides evenly"),
+    (["RECIPE", "--nproc", "1", "--set", "parallel.zero=3"], "ember tune chooses parallel.zero for each trial"),
+    (["RECIPE", "--nproc", "1", "--set", "train.micro_batch=4"], "ember tune chooses train.micro_batch"),
+    # What every trial would refuse is refused once, before any runs.
+    (["RECIPE", "--nproc", "1", "--set", "data.document_mask=true"], "needs document boundaries"),
 ])
 def test_mistakes_are_one_sentence_and_exit_2(args, words, recipe, dataset, tmp_path, capsys):
     small = _profile(tmp_path, memory_gib=0.5)  # less than the runtime's own GiB
@@ -188,6 +192,42 @@ def test_tune_runs_two_trials_and_writes_the_fastest(nproc, recipe, dataset, tmp
     assert f"mbs={best.train.micro_batch}," in winner["layout"] and best.train.budget == "2h"
     assert main(["tune", str(recipe), "--data", str(dataset), "--nproc", str(nproc), "--profile",
                  str(_profile(tmp_path)), "--out", str(out)]) == 2  # never over an earlier run
+    assert [t["planner_rank"] for t in trials] == [1, 2]
+
+
+def test_tune_never_writes_into_a_folder_with_files(recipe, dataset, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "best.toml").write_text("# my own recipe\n")
+    args = ["tune", str(recipe), "--data", str(dataset), "--nproc", "1", "--profile", str(_profile(tmp_path)),
+            "--top", "1", "--out", str(out)]
+    for extra in ([], ["--dry-run"]):  # a dry run says what the real one would
+        assert main(args + extra) == 2
+        assert "is not an empty folder" in capsys.readouterr().err
+    assert (out / "best.toml").read_text() == "# my own recipe\n"
+
+
+def test_a_stopped_tuning_keeps_what_finished(recipe, dataset, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or SIGTERM, unwound the same way) during the second trial: the first one's
+    measurement is written to tune.json, the second is marked not run."""
+    import ember.tune.trials as trials_module
+
+    real, calls = trials_module.run_process, []
+
+    def stopped_second(cmd, log_path, timeout):
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(cmd, log_path, timeout)
+
+    monkeypatch.setattr(trials_module, "run_process", stopped_second)
+    out = tmp_path / "tune"
+    assert main(["tune", str(recipe), "--data", str(dataset), "--nproc", "1", "--profile", str(_profile(tmp_path)),
+                 "--top", "2", "--steps", "3", "--warmup", "1", "--out", str(out)]) == 130
+    assert "what the finished trials measured" in capsys.readouterr().out
+    report = json.loads((out / "tune.json").read_text())
+    assert [t["status"] for t in report["trials"]] == ["finished", "not run"]
+    assert report["best"]["trial"] == 1 and (out / "best.toml").exists()
 
 
 def test_failed_trials_are_reported_not_fatal(recipe, dataset, tmp_path, capsys):

@@ -86,9 +86,9 @@ def _stack(args, base):
 
 def _check_overrides(overrides: list[str]) -> None:
     """`--set` of what the plan itself decides would be overridden by the layout it prints."""
-    from ember.layout import Layout
+    from ember.layout import layout_keys
 
-    chosen = (set(Layout().settings(1)) | {"parallel.stage_layers"}) - {"train.global_batch"}
+    chosen = layout_keys()
     flags = {"train.global_batch": "--global-batch", "train.precision": "--precision"}
     for item in overrides:
         key = item.partition("=")[0].strip()

@@ -52,7 +52,10 @@ def measure(trainer, steps: int, warmup: int) -> dict:
             trainer.train_step(n, lr)
         profiled.append(time.perf_counter() - start)
     parts = trainer.profiler.read()
-    out = {"step_s": statistics.median(plain), "profiled_step_s": statistics.mean(profiled)}
+    # The headline is the median step; the phases are totals over the same steps, so their
+    # shares are of the mean step (one slow step moves both alike).
+    out = {"step_s": statistics.median(plain), "mean_step_s": statistics.mean(plain),
+           "profiled_step_s": statistics.mean(profiled)}
     out |= {name: value / steps for name, value in phases.items()}
     out |= {name: value / steps for name, value in parts.items()}
     out["other_s"] = max(0.0, out["profiled_step_s"] - out["compute_s"] - out["exposed_comm_s"] - out["bubble_s"])
@@ -128,7 +131,9 @@ def run_bench(recipe: str, data: Path, settings: list[str], steps: int, warmup: 
         return None
     step = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
     tokens = cfg.train.global_batch * trainer.seq_len
-    layout = {k: v for k, v in vars(cfg.parallel).items()}
+    # The layout as it ran (dp_shard = -1 resolved to the ranks it took), and the gradient dtype.
+    layout = {k: v for k, v in dataclasses.asdict(trainer.parallel).items() if v != ()}
+    layout["grad_dtype"] = cfg.parallel.grad_dtype
     return {"recipe": recipe, "layout": layout, "world": trainer.world, "device": str(trainer.device),
             "steps": steps, "warmup": warmup, "step_s": step, "tokens_per_s": tokens / step, "ranks": ranks,
             "predicted": predicted(cfg, trainer.manifest, trainer.world, trainer.device, profile)}
@@ -160,7 +165,7 @@ def render(result: dict) -> None:
         table.add_row(label, f"{mean:.4f}", f"{100 * share:.1f}%", f"{min(values):.4f}", f"{max(values):.4f}")
 
     for key, label in PHASES:
-        add(key, label, "step_s")
+        add(key, label, "mean_step_s" if all("mean_step_s" in r for r in ranks) else "step_s")
     table.add_section()
     profiled = sum(r["profiled_step_s"] for r in ranks) / len(ranks)
     table.add_row(f"[dim]profiled step ({profiled:.4f} s): shares of it[/dim]", "", "", "", "")

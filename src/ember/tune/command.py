@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,12 +45,19 @@ def register_tune(verbs) -> None:
     tune.set_defaults(func=run_tune)
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _check_args(args) -> None:
     for name in ("nproc", "top", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, not {getattr(args, name)}.")
     if args.warmup < 0 or args.timeout <= 0:
         raise ConfigError("--warmup must be 0 or more and --timeout positive.")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never a folder with anything in it
+        raise ConfigError(f"--out {out} already exists and is not an empty folder; choose a new one.")
     if args.warmup >= args.steps:  # the warm-up steps are part of a trial's --steps and not measured
         raise ConfigError(f"--warmup ({args.warmup}) must be less than --steps ({args.steps}): a trial measures "
                           "the steps after its warm-up.")
@@ -65,9 +73,19 @@ def plan_trials(args):
     from ember.plan.stacks import run_stack
     from ember.tune.trials import Trial, local_cluster, plan_inputs, select, trial_command
 
+    from ember.layout import layout_keys
+    from ember.train.setup import check_data_fits, resolve
+
     _check_args(args)
+    for item in args.set:
+        key = item.partition("=")[0].strip()
+        if key in layout_keys():
+            raise ConfigError(f"--set {item}: ember tune chooses {key} for each trial; leave it out, or name "
+                              "the layouts to measure with --layout.")
     config = load_config(args.config, args.set)
     manifest = load_manifest(Path(args.data))
+    check_data_fits(config, manifest)  # what every trial would refuse, refused once, before any runs
+    config = resolve(config, manifest)
     cluster = local_cluster(args.nproc, args.profile)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     cluster = replace(cluster, stack=run_stack(cluster.stack, config, device_type))  # as the trials will run
@@ -79,32 +97,34 @@ def plan_trials(args):
                           f"{args.nproc}; the leanest ({leanest.layout.text()}) needs "
                           f"{leanest.memory.total / 2**30:.1f} GiB.")
     if args.layout:
-        chosen, passed = _given(args.layout, model, cluster, shape, config, args.nproc), 0
+        chosen, passed = _given(args.layout, model, cluster, shape, config, args.nproc, device_type), 0
     else:
-        chosen, passed = select(result.ranked, args.top, config, args.nproc, shape.seq_len)
+        chosen, passed = select(result.ranked, args.top, config, args.nproc, shape.seq_len, device_type)
     if not chosen:
         raise ConfigError(f"none of the {len(result.ranked)} layouts that fit can train this recipe "
                           f"(e.g. {result.ranked[0].layout.text()}); check its [parallel]-related settings.")
     out = Path(args.out)
     trials = []
+    planner_rank = {id(p): i for i, p in enumerate(result.ranked, 1)}
     for i, prediction in enumerate(chosen, 1):
         run_dir = out / f"trial-{i}"
         settings = prediction.layout.settings(shape.global_batch)
         command = trial_command(args.config, args.data, run_dir, args.nproc, args.steps, settings, args.set)
-        trials.append(Trial(i, prediction, command, run_dir, settings))
+        trials.append(Trial(i, prediction, command, run_dir, settings,
+                            planner_rank=planner_rank.get(id(prediction), i)))
     return config, cluster, model, shape, result, trials, passed
 
 
-def _given(texts: list[str], model, cluster, shape, config, nproc: int):
+def _given(texts: list[str], model, cluster, shape, config, nproc: int, device_type: str):
     """The layouts a user named, each one the recipe can train here, predicted and in the
     planner's order; the first that cannot is refused before anything runs."""
     from ember.layout import run_problems
     from ember.plan.layout import parse_layout
     from ember.plan.search import rank
 
-    layouts = [parse_layout(text, nproc) for text in texts]
+    layouts = list(dict.fromkeys(parse_layout(text, nproc) for text in texts))  # each measured once
     for layout in layouts:
-        found = run_problems(layout, config, nproc, shape.seq_len)
+        found = run_problems(layout, config, nproc, shape.seq_len, device_type)
         if found:
             raise ConfigError(f"layout {layout.text()} cannot train this recipe on {nproc} processes: {found[0]}.")
     return rank(model, cluster, shape, layouts)
@@ -132,14 +152,24 @@ def run_tune(args) -> int:
         for t in trials:
             print_text(console, f"trial {t.index}: {t.prediction.layout.text()}\n  " + shlex.join(t.command))
         return 0
-    if (out / "tune.json").exists() or any(t.run_dir.exists() for t in trials):
-        raise ConfigError(f"{out} already holds a tuning run; choose another --out.")
     out.mkdir(parents=True, exist_ok=True)
-    for t in trials:
-        print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
-        run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
-        done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
-        print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
+    stopped = None
+    # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C: the running trial is ended and
+    # what the finished ones measured is written.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        for t in trials:
+            print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
+            run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
+            done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
+            print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
+    except (KeyboardInterrupt, SystemExit) as stop:
+        stopped = stop.code if isinstance(stop, SystemExit) else 128 + signal.SIGINT
+        for t in trials:
+            if t.status == "pending":
+                t.status, t.reason = "not run", "the tuning was stopped"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     finished = sorted((t for t in trials if t.status == "finished"), key=lambda t: -t.tokens_per_s)
     console.print(table(trials, finished, cluster.n_gpus))
     report = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
@@ -155,6 +185,9 @@ def run_tune(args) -> int:
         report["best"] = {"trial": best.index, "layout": best.prediction.layout.text(),
                           "recipe": str(out / "best.toml")}
     write_text(out / "tune.json", json.dumps(report, indent=2) + "\n")
+    if stopped is not None:
+        print_text(console, f"stopped; what the finished trials measured is in {out / 'tune.json'}")
+        return stopped
     if not finished:
         print_text(console, f"no trial finished; see the logs in {out} (wrote {out / 'tune.json'})")
         return 1
@@ -181,6 +214,6 @@ def table(trials, finished, n_gpus: int) -> Table:
                                                         + (" rss" if t.memory_source == "rss" else ""))
         status = "ok" if t.status == "finished" else f"failed: {t.reason}"
         out.add_row(str(t.index), p.layout.text(), f"{predicted:,.0f}", measured, ratio,
-                    f"{t.predicted_memory_gib:.2f}", memory, str(t.index),
+                    f"{t.predicted_memory_gib:.2f}", memory, str(t.planner_rank),
                     str(measured_rank.get(t.index, "-")), status)
     return out

@@ -77,7 +77,7 @@ def local_cluster(nproc: int, profile: str | Path | None) -> Cluster:
 
 
 def select(ranked: list[Prediction], top: int, config: Config, nproc: int,
-           seq_len: int) -> tuple[list[Prediction], int]:
+           seq_len: int, device_type: str | None = None) -> tuple[list[Prediction], int]:
     """The first `top` fitting layouts the recipe can train on `nproc` processes (the
     trainer's own rules, with the recipe's compile, document mask and batch ramp), and how
     many better-ranked ones were passed over because it cannot."""
@@ -85,7 +85,7 @@ def select(ranked: list[Prediction], top: int, config: Config, nproc: int,
     for prediction in ranked:
         if len(chosen) == top:
             break
-        if run_problems(prediction.layout, config, nproc, seq_len):
+        if run_problems(prediction.layout, config, nproc, seq_len, device_type):
             passed += 1
             continue
         chosen.append(prediction)
@@ -212,7 +212,8 @@ class Trial:
     command: list[str]
     run_dir: Path
     settings: dict  # the layout's --set keys
-    status: str = "pending"  # finished, failed
+    planner_rank: int = 0  # its place in the planner's ranking of every fitting layout
+    status: str = "pending"  # finished, failed, not run
     reason: str = ""
     tokens_per_s: float | None = None
     measured_steps: int = 0
@@ -228,7 +229,8 @@ class Trial:
 
     def to_dict(self, n_gpus: int) -> dict:
         p = self.prediction
-        return {"trial": self.index, "layout": p.layout.text(), "status": self.status, "reason": self.reason,
+        return {"trial": self.index, "layout": p.layout.text(), "planner_rank": self.planner_rank,
+                "status": self.status, "reason": self.reason,
                 "predicted": {"tokens_per_s": p.tokens_per_s_per_gpu * n_gpus, "step_time_s": p.step_time_s,
                               "memory_gib_per_gpu": self.predicted_memory_gib},
                 "measured": {"tokens_per_s": self.tokens_per_s, "steps": self.measured_steps,
@@ -248,7 +250,7 @@ def run_trial(trial: Trial, timeout: float, warmup: int, host_memory: bool = Tru
     trial.tokens_per_s, trial.measured_steps = result["tokens_per_s"], result["measured_steps"]
     if result["peak_memory_gib"] is not None:
         trial.peak_memory_gib, trial.memory_source = result["peak_memory_gib"], "trainer"
-    elif rss is not None and host_memory:
+    elif rss is not None and host_memory and trial.tokens_per_s is not None:  # not a run that never trained
         trial.peak_memory_gib, trial.memory_source = rss, "rss"
     if status == 0 and not timed_out and trial.tokens_per_s is not None:
         trial.status = "finished"
