@@ -190,3 +190,24 @@ def test_a_huge_gpu_count_is_answered(capsys):
     assert main(["plan", "--model", "gpt2-small", "--gpu", "A100-80GB", "--gpus", "800000000",
                  "--global-batch", "64"]) == 2
     assert "divides evenly" in capsys.readouterr().err
+
+
+def test_a_calibrated_cpu_is_planned_in_the_precision_the_trainer_uses_there(tmp_path, capsys):
+    """On a CPU `ember train` computes in fp32 unless the recipe asks for bf16: the plan prices
+    that, and its command does not switch the run to bf16."""
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"gpu": {"name": "cpu (calibrated)", "peak_bf16_flops": 2e11, "memory_gib": 16},
+                                   "links": {"gpus_per_node": 2},
+                                   "stack": {"overlap_grad_reduce": False, "overlap_param_gather": False,
+                                             "host_overlaps": False}}))
+    args = ["plan", "--model", str(REPO / "configs/tiny-gpt.toml"), "--profile", str(profile), "--gpus", "2",
+            "--seq-len", "64", "--global-batch", "16", "--set", "model.vocab_size=512", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["precision"] == "fp32" and "train.precision=fp32" in out["best"]["command"]
+    assert main(args + ["--set", "train.precision=bf16"]) == 2  # that is --precision's
+    capsys.readouterr()
+    assert main(args + ["--precision", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape"]["precision"] == "bf16"
+    assert main(BASE + ["--precision", "fp32", "--stack", "megatron"]) == 2
+    assert "trains in mixed precision" in capsys.readouterr().err

@@ -38,9 +38,11 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     plan.add_argument("--save-profile", metavar="FILE", help="write the resolved cluster profile as JSON")
     plan.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
     plan.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    plan.add_argument("--precision", default="bf16",
-                      help="bf16, fp16, or fp8 (the weight matmuls in FP8 as Transformer Engine or torchao run "
-                           "them; other stacks than ember's, on GPUs with FP8 tensor cores)")
+    plan.add_argument("--precision",
+                      help="bf16, fp16, fp8 (the weight matmuls in FP8 as Transformer Engine or torchao run "
+                           "them; other stacks than ember's, on GPUs with FP8 tensor cores) or fp32 (no autocast); "
+                           "default: what the recipe trains in on the profile's device (a calibrated CPU: fp32 "
+                           "unless the recipe asks for bf16), else bf16")
     plan.add_argument("--grad-dtype", help="bf16 (16 bytes/param) or fp32 main gradients (Megatron-style); "
                                           "default: a recipe's parallel.grad_dtype, else the stack's")
     plan.add_argument("--attention", help="flash (default) or unfused")
@@ -125,17 +127,27 @@ def _setup(args):
         raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
     _check_overrides(args.set)
     model, recipe = resolve_model(args.model, args.set)
-    if recipe is not None and args.grad_dtype is None:  # the gradients `ember train` would reduce
+    device_type = "cuda" if cluster.stack.host_overlaps else "cpu"  # a calibrated CPU's stack says so
+    config = None
+    if recipe is not None:
         from ember.config import load_config
+
+        config = load_config(recipe, args.set)
+    if recipe is not None and args.grad_dtype is None:  # the gradients `ember train` would reduce
         from ember.plan.stacks import run_stack
 
-        device_type = "cuda" if cluster.stack.host_overlaps else "cpu"  # a calibrated CPU's stack says so
-        cluster = replace(cluster, stack=run_stack(cluster.stack, load_config(recipe, args.set), device_type))
+        cluster = replace(cluster, stack=run_stack(cluster.stack, config, device_type))
+    if args.precision is None:  # what `ember train` would compute in there
+        asked = config.train.precision if config is not None else "auto"
+        args.precision = asked if asked != "auto" else "fp32" if device_type == "cpu" else "bf16"
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     if args.precision == "fp8" and cluster.stack.name == "ember":
         raise ConfigError("ember's trainer trains in bf16; --precision fp8 prices other software: "
                           "add --stack megatron, nemo, deepspeed or fsdp.")
+    if args.precision == "fp32" and cluster.stack.name != "ember":
+        raise ConfigError(f"--stack {cluster.stack.name} trains in mixed precision; --precision fp32 prices "
+                          "ember's trainer without autocast.")
     check_precision(cluster.gpu, args.precision)  # before any search
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:

@@ -29,7 +29,7 @@ from ember.layout import RECOMPUTE, Layout, problems
 PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules the time model prices
 # (recompute, recompute_every) pairs the search tries.
 POLICIES = tuple((policy, 1) for policy in RECOMPUTE) + (("full", 2),)
-PRECISIONS = ("bf16", "fp16", "fp8")
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")  # fp32: no autocast, as ember trains on a CPU by default
 LONG_SEQUENCE = 16384  # from here the search also tries context parallelism (other stacks)
 MAX_CP = 32
 
