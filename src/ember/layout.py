@@ -218,10 +218,12 @@ def _tensor_problems(lo: Layout, model) -> list[str]:
         return []
     out = []
     kv_heads = getattr(model, "kv_heads", 0) or model.heads
-    if model.heads % lo.tp or kv_heads % lo.tp:
-        out.append(f"model.heads ({model.heads}" + (f", {kv_heads} key/value heads" if kv_heads != model.heads else "")
-                   + f") must be divisible by parallel.tp ({lo.tp}): each tensor-parallel rank computes whole "
-                   f"attention heads")
+    if model.heads % lo.tp:
+        out.append(f"model.heads ({model.heads}) must be divisible by parallel.tp ({lo.tp}): each "
+                   "tensor-parallel rank computes whole attention heads")
+    elif kv_heads % lo.tp:
+        out.append(f"model.kv_heads ({kv_heads}) must be divisible by parallel.tp ({lo.tp}): each "
+                   "tensor-parallel rank holds whole key/value heads")
     for name in ("hidden", "mlp_hidden"):
         if getattr(model, name) % lo.tp:
             out.append(f"model.{name} ({getattr(model, name)}) must be divisible by parallel.tp ({lo.tp})")

@@ -87,7 +87,7 @@ def test_a_splittable_model_passes():
 @pytest.mark.parametrize("overrides,tp,sp,words", [
     ({}, 1, True, "parallel.sp (sequence parallel) splits the work of tensor parallelism, so it needs parallel.tp > 1"),
     ({"heads": 6}, 4, False, "model.heads (6) must be divisible by parallel.tp (4)"),
-    ({"kv_heads": 2}, 4, False, "model.heads (8, 2 key/value heads) must be divisible by parallel.tp (4)"),
+    ({"kv_heads": 2}, 4, False, "model.kv_heads (2) must be divisible by parallel.tp (4)"),
     ({"kv_heads": 4}, 4, False, None),
     ({"hidden": 66, "heads": 4}, 4, False, "model.hidden (66) must be divisible by parallel.tp (4)"),
     ({"hidden": 66, "heads": 2}, 2, False, None),  # divisible: no error

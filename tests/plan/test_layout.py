@@ -49,7 +49,7 @@ def test_world_size(layout, words):
 
 
 @pytest.mark.parametrize("layout,gpus,words", [
-    (Layout(tp=16), 16, "model.heads (32, 8 key/value heads) must be divisible by parallel.tp (16)"),
+    (Layout(tp=16), 16, "model.kv_heads (8) must be divisible by parallel.tp (16)"),
     (Layout(pp=8, vpp=5, schedule="interleaved"), 8, "model.layers (32) must be at least parallel.pp x parallel.vpp"),
     (Layout(pp=4, stage_layers=(8, 8, 8, 9)), 4, "32 (model.layers) in all"),
     (Layout(dp_replicate=8, micro_batch=16), 8, "must be a multiple of data-parallel ranks x train.micro_batch"),
