@@ -27,11 +27,13 @@ def _cmd_train(args) -> int:
     if trainer.rank == 0:  # under torchrun, one summary for the whole run
         _print_summary(summary)
     if summary["status"] == "already finished":
-        print("the run had already reached its budget, so nothing was changed; give a larger --budget with "
-              "--resume to train further", file=sys.stderr)
+        if trainer.rank == 0:
+            print("the run had already reached its budget, so nothing was changed; give a larger --budget "
+                  "with --resume to train further", file=sys.stderr)
         return 0
     if summary["status"] == "interrupted":
-        print("stopped early; continue with the same command and --resume", file=sys.stderr)
+        if trainer.rank == 0:  # once for the run, not once per rank
+            print("stopped early; continue with the same command and --resume", file=sys.stderr)
         return 128 + (signal.SIGINT if trainer.stopped_by is None else trainer.stopped_by)
     if summary["status"] == "stopped on a loss spike":
         print("the loss spiked or stopped being finite (metrics.jsonl says where); the newest checkpoint "
