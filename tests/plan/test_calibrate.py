@@ -189,3 +189,15 @@ def test_a_measurement_keeps_its_fastest_burst():
     seconds = _timed(fn, torch.device("cpu"), min_time=0.05)
     assert len(calls) > 7  # it went on past the slow spell
     assert seconds < 0.005
+
+
+def test_a_part_faster_than_its_table_entry_raises_the_peak(tmp_path):
+    """A profile's efficiencies are shares of a peak and at most 1 (the profile reader refuses
+    more): a measured rate above the datasheet's becomes the peak."""
+    h100 = gpu_by_name("H100")
+    profile = build_profile(h100, {"name": "H100", "memory_gib": 80, "sms": 132}, "bf16",
+                            [{"m": 8192, "n": 8192, "k": 8192, "tflops": 1050.0}], 3500.0, {}, 1, 8)
+    gpu = profile["gpu"]
+    assert gpu["matmul_eff"] == 1.0 and gpu["peak_bf16_flops"] == pytest.approx(1050e12)
+    assert gpu["hbm_eff"] == 1.0 and gpu["hbm_gbps"] == 3500.0
+    assert make_cluster(None, 8, profile=_write(profile, tmp_path)).gpu.peak_bf16_flops == pytest.approx(1050e12)

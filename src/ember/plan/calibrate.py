@@ -238,9 +238,7 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
     if known is not None:
         gpu = {"name": known.name, "matmul_eff": round(best["tflops"] * 1e12 / known.peak_bf16_flops, 4),
                "hbm_eff": round(copy_gbps / known.hbm_gbps, 4)}
-        # A part clocked above its table entry: the measured rate becomes the peak (a profile's
-        # efficiencies are shares of a peak and at most 1).
-        if gpu["matmul_eff"] > 1:
+        if gpu["matmul_eff"] > 1:  # clocked above its table entry: a profile's efficiencies are at most 1
             gpu |= {"peak_bf16_flops": best["tflops"] * 1e12, "matmul_eff": 1.0}
         if gpu["hbm_eff"] > 1:
             gpu |= {"hbm_gbps": round(copy_gbps, 2), "hbm_eff": 1.0}
