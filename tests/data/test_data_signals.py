@@ -56,7 +56,10 @@ def test_a_signal_ends_the_workers_too(big, tmp_path, sig, group, status):
     proc = subprocess.Popen(ember_cmd("data", "prepare", str(big / "big.jsonl"), "--out", str(tmp_path / "o"),
                                       "--tokenizer", str(big / "tok" / "tokenizer.json"), "--seq-len", "16",
                                       "--workers", "2", "--quiet"),
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # A shell that runs the suite in the background (`make test &`) leaves
+                            # SIGINT ignored, and Python then installs no KeyboardInterrupt: as a terminal does.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while len(_workers_of(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
