@@ -10,13 +10,20 @@ still hold tensors after the group is gone, and finalization frees them without 
 process aborts ("terminate called without an active exception", SIGABRT) after all its work
 is done, and torchrun reports the whole run as failed (pytorch/pytorch#179291 describes the
 race). Every ember command that ran under torchrun ends this way.
+
+`sigterm_unwinds` makes SIGTERM (`kill`, a scheduler's cancel) end a command as Ctrl-C does,
+through its `finally` and `with` blocks, so the worker processes it started are stopped and
+what it finished is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 
@@ -45,3 +52,17 @@ def leave(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: nothing more can reach it anyway
             pass
     os._exit(code)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within it, SIGTERM raises SystemExit(143) instead of killing the process outright."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 # prepare()'s settings a flag may give; None means "not given", so the TOML or the default applies.
@@ -66,23 +65,17 @@ def prepare_arguments(args) -> dict:
 
 def _cmd_prepare(args) -> int:
     from ember.data.prepare import prepare
+    from ember.process import sigterm_unwinds
 
     kwargs = prepare_arguments(args)
     # SIGTERM (kill, a scheduler) unwinds like Ctrl-C: the worker pool is shut down and the
     # last completed shard's state kept, instead of the workers outliving a killed parent.
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
+    with sigterm_unwinds():
         manifest = prepare(kwargs.pop("inputs"), Path(args.out), **kwargs)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     print(f"prepared {train['tokens']:,} train and {val['tokens']:,} held-out tokens "
           f"(vocabulary {manifest['vocab_size']:,}, sequences of {manifest['seq_len']}) in {args.out}")
     return 0
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _cmd_stats(args) -> int:

@@ -76,9 +76,11 @@ def register_plan(verbs, measure_tp_block=None) -> None:
 
 
 def _stack(args, base):
+    from ember.plan.cluster import STACK_CHOICES
+
     changes = {}
-    for key, value, choices in (("grad_dtype", args.grad_dtype, ("bf16", "fp32")),
-                                ("attention", args.attention, ("flash", "unfused"))):
+    for key, value in (("grad_dtype", args.grad_dtype), ("attention", args.attention)):
+        choices = STACK_CHOICES[key]
         if value is not None:
             if value.lower() not in choices:
                 raise ConfigError(f"--{key.replace('_', '-')} must be one of {', '.join(choices)}, not {value!r}.")

@@ -45,10 +45,6 @@ def register_tune(verbs) -> None:
     tune.set_defaults(func=run_tune)
 
 
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _check_args(args) -> None:
     for name in ("nproc", "top", "steps"):
         if getattr(args, name) < 1:
@@ -135,6 +131,7 @@ def run_tune(args) -> int:
 
     from ember.plan.report import print_text, ties
     from ember.atomic import write_text
+    from ember.process import sigterm_unwinds
     from ember.tune.trials import best_recipe, run_trial
 
     config, cluster, model, shape, result, trials, passed = plan_trials(args)
@@ -156,20 +153,18 @@ def run_tune(args) -> int:
     stopped = None
     # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C: the running trial is ended and
     # what the finished ones measured is written.
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        for t in trials:
-            print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
-            run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
-            done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
-            print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
+        with sigterm_unwinds():
+            for t in trials:
+                print_text(console, f"trial {t.index}/{len(trials)}: {t.prediction.layout.text()} ...")
+                run_trial(t, args.timeout, args.warmup, host_memory=not torch.cuda.is_available())
+                done = (f"{t.tokens_per_s:,.0f} tokens/s" if t.status == "finished" else f"failed: {t.reason}")
+                print_text(console, f"  {done} ({t.seconds:.0f} s; log {t.run_dir.name}.log)")
     except (KeyboardInterrupt, SystemExit) as stop:
         stopped = stop.code if isinstance(stop, SystemExit) else 128 + signal.SIGINT
         for t in trials:
             if t.status == "pending":
                 t.status, t.reason = "not run", "the tuning was stopped"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     finished = sorted((t for t in trials if t.status == "finished"), key=lambda t: -t.tokens_per_s)
     console.print(table(trials, finished, cluster.n_gpus))
     report = {"model": model.to_dict(), "cluster": cluster.profile() | {"n_gpus": cluster.n_gpus},
