@@ -4,8 +4,8 @@ below it (docs/architecture.md draws them). `python tests/import_graph.py` print
 from import_graph import cycles, module_graph, unit, unit_graph
 
 # What each package may import besides itself. The bottom modules (config, atomic, device,
-# cost, hardware, layout, process, budget, errors) are shared by everything above them.
-BOTTOM = {"config", "budget", "errors", "atomic", "device", "cost", "hardware", "layout", "process"}
+# cost, hardware, layout, process, budget, errors, fields) are shared by everything above them.
+BOTTOM = {"config", "budget", "errors", "atomic", "device", "cost", "hardware", "layout", "process", "fields"}
 ALLOWED = {
     "model": BOTTOM,
     "data": BOTTOM,

@@ -128,15 +128,17 @@ def test_damaged_or_mistyped_inputs_are_one_sentence(tmp_path, capsys):
     packed[len(packed) // 2] ^= 0xFF  # the frame's checksum catches it
     (tmp_path / "b.jsonl.zst").write_bytes(bytes(packed))
     configs = {"lowercase.toml": '[clean]\nlowercase = "yes"\n', "threshold.toml": '[dedup]\nthreshold = "0.8"\n',
-               "perm.toml": "[dedup]\nnum_perm = 16.5\n", "clean.toml": "clean = 5\n"}
+               "perm.toml": "[dedup]\nnum_perm = 16.5\n", "clean.toml": "clean = 5\n",
+               "nan.toml": "[dedup]\nthreshold = nan\n"}
     for name, text in configs.items():
         (tmp_path / name).write_text(text)
     for argv, words in [
         ([str(tmp_path / "b.jsonl.zst")], "is not a readable .zst file"),
         ([str(src), "--config", str(tmp_path / "lowercase.toml")], "[clean] lowercase = 'yes' must be true or false"),
-        ([str(src), "--config", str(tmp_path / "threshold.toml")], "[dedup] threshold = '0.8' must be a number"),
+        ([str(src), "--config", str(tmp_path / "threshold.toml")], "[dedup] threshold = '0.8' must be a finite number"),
         ([str(src), "--config", str(tmp_path / "perm.toml")], "[dedup] num_perm = 16.5 must be a whole number"),
         ([str(src), "--config", str(tmp_path / "clean.toml")], "[clean] must be a table of settings"),
+        ([str(src), "--config", str(tmp_path / "nan.toml")], "[dedup] threshold = nan must be a finite number"),
         (["--source", f"{src}:inf", "--source", f"{src}:1"], "weights must be positive numbers"),
         (["--source", f"{src}:1e308", "--source", f"{src}:1e308"], "add up to more than a float holds"),
         ([str(src), "--vocab-size", "2000000000"], "too large to train"),

@@ -15,7 +15,8 @@ import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from ember.data.errors import DataError, typed_table
+from ember.data.errors import DataError
+from ember.fields import checked_table
 
 NORMALIZE = ("NFC", "NFKC")
 TRANSFORMS = ("normalize", "strip_accents", "lowercase", "ascii_only")
@@ -38,7 +39,7 @@ class CleanConfig:
 
     @classmethod
     def from_dict(cls, table: dict | None) -> CleanConfig:
-        table = typed_table(cls, table, "clean")
+        table = checked_table(cls, table, "[clean]", DataError)
         if "max_top_ngram_fraction" in table:
             try:
                 table["max_top_ngram_fraction"] = {int(n): float(f) for n, f in table["max_top_ngram_fraction"].items()}

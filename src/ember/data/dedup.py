@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ember.data.errors import DataError, typed_table
+from ember.data.errors import DataError
+from ember.fields import checked_table
 
 _SPACE = re.compile(r"\s+")
 _WORD = re.compile(r"\w+")
@@ -33,7 +34,7 @@ class DedupConfig:
 
     @classmethod
     def from_dict(cls, table: dict | None) -> DedupConfig:
-        config = cls(**typed_table(cls, table, "dedup"))
+        config = cls(**checked_table(cls, table, "[dedup]", DataError))
         if not 0 < config.threshold < 1:
             raise DataError(f"[dedup] threshold {config.threshold} must lie in (0, 1); 0.8 is typical.")
         if config.num_perm < 16 or config.shingle < 1:

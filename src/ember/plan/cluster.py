@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ember.atomic import write_text
 from ember.config import ConfigError
+from ember.fields import checked_table
 from ember.hardware import GPU, GPUS, MatmulTimes, gpu_by_name
 from ember.plan.comm import Links
 from ember.plan.timing import LOSS_BWD_BYTES, LOSS_FWD_BYTES
@@ -215,26 +216,7 @@ def _known_gpu(name: str) -> GPU:
 
 
 def _fields(cls, values, where: str) -> dict:
-    """`values` checked against the fields of `cls`: known names, and each value of its
-    field's kind (a number for numbers, true/false for flags, text for names)."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where} must be a JSON object of fields, not {type(values).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("pattern", "matmul_times")}
-    unknown = set(values) - set(fields)
-    if unknown:
-        raise ConfigError(f"{where} has unknown field(s) {', '.join(sorted(unknown))}; "
-                          f"it takes {', '.join(sorted(fields))}.")
-    for name, value in values.items():
-        kind = str(fields[name].type)
-        if kind == "bool":
-            ok = isinstance(value, bool)
-        elif kind in ("int", "float"):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ConfigError(f"{where}: {name} = {value!r} is not a valid value for it.")
-    return values
+    return checked_table(cls, values, where, ConfigError, skip=("pattern", "matmul_times"), nonnegative=True)
 
 
 def _matmul_times(section, path: Path) -> MatmulTimes:
@@ -268,7 +250,7 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
     if unknown:
         raise ConfigError(f"profile file {path} has unknown section(s) {', '.join(sorted(unknown))}; "
                           f"it takes {', '.join(sorted(PROFILE_SECTIONS))}.")
-    gpu_values = dict(_fields(GPU, data.get("gpu") or {}, f"{path} gpu"))
+    gpu_values = dict(_fields(GPU, data.get("gpu"), f"profile file {path}: gpu"))
     if "name" not in gpu_values:
         raise ConfigError(f"profile file {path} must name its GPU (gpu.name).")
     base = gpu_by_name(gpu_values["name"])
@@ -279,11 +261,11 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
                               f"so gpu.{' and gpu.'.join(sorted(missing))} must be given.")
         base = GPU(gpu_values["name"], gpu_values["peak_bf16_flops"], gpu_values["memory_gib"], "$^")
     try:
-        gpu = dataclasses.replace(base, **_fields(GPU, gpu_values, f"{path} gpu"))
+        gpu = dataclasses.replace(base, **_fields(GPU, gpu_values, f"profile file {path}: gpu"))
         links_values = {"gpus_per_node": 8, "intra_gbps": gpu.intra_gbps, "inter_gbps": gpu.inter_gbps,
-                        **_fields(Links, data.get("links") or {}, f"{path} links")}
+                        **_fields(Links, data.get("links"), f"profile file {path}: links")}
         links = Links(**links_values)
-        stack = Stack(**_fields(Stack, data.get("stack") or {}, f"{path} stack"))
+        stack = Stack(**_fields(Stack, data.get("stack"), f"profile file {path}: stack"))
         if data.get("matmuls") is not None:
             gpu = dataclasses.replace(gpu, matmul_times=_matmul_times(data["matmuls"], path))
     except TypeError as err:
