@@ -212,8 +212,8 @@ def run_dp_case(case: dict, mesh, errors: list[str]) -> None:
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    """4 ranks as pp2 x dp2. The pp2 cases run on both pipelines (mesh["pp"] of each dp
-    column) independently, each on the whole batch; then the FSDP cases use both dims."""
+    """4 ranks as pp2 x dp2. The pp2 cases are shared out between the two pipelines
+    (mesh["pp"] of each dp column), each on the whole batch; then the FSDP cases use both dims."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -221,7 +221,9 @@ def main(rank: int, world: int, port: int, out_dir: str) -> None:
     done: list[str] = []
     try:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-        for run, case_list in ((run_case, cases()), (run_dp_case, DP_CASES)):
+        column, columns = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        pp_cases = [case for i, case in enumerate(cases()) if i % columns == column]
+        for run, case_list in ((run_case, pp_cases), (run_dp_case, DP_CASES)):
             for case in case_list:
                 start = time.perf_counter()
                 run(case, mesh, errors)
