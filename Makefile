@@ -7,6 +7,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 RUN    := runs/demo-$(shell date +%Y%m%d-%H%M%S)
+# Test processes (pytest-xdist). Many tests start 2-4 ranks of their own, so more workers
+# than cores only adds contention.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
 .PHONY: install test demo bench clean-demo
 
@@ -19,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 data/stdlib.jsonl: | install
 	$(BIN)/ember data corpus --out $@
