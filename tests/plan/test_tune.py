@@ -252,6 +252,28 @@ def test_dry_run_prints_commands_and_runs_nothing(recipe, dataset, tmp_path, cap
     assert close > 1 and f"--top {close} measures them all" in printed
 
 
+def test_the_near_tie_count_leaves_out_layouts_the_recipe_cannot_train(recipe, dataset, tmp_path, capsys,
+                                                                       monkeypatch):
+    """--top N reaches only layouts the recipe can train, so only those count as near ties.
+    Here the recipe can train one layout: nothing is left for a larger --top to measure."""
+    import ember.layout
+    import ember.tune.trials
+
+    allowed = []
+
+    def only_one(layout, *args, **kwargs):
+        allowed[:] = allowed or [layout]
+        return [] if layout == allowed[0] else ["refused for this test"]
+
+    monkeypatch.setattr(ember.layout, "run_problems", only_one)
+    monkeypatch.setattr(ember.tune.trials, "run_problems", only_one)
+    out = tmp_path / "tune"
+    assert main(["tune", str(recipe), "--data", str(dataset), "--nproc", "1", "--profile", str(_profile(tmp_path)),
+                 "--top", "1", "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("ember train") == 1 and "lie within the best's predicted interval" not in printed
+
+
 def test_repo_recipes_plan_with_the_data_vocabulary():
     # configs/tiny-gpt.toml leaves the vocabulary to the data, as most recipes do.
     model, shape = plan_inputs(load_config(REPO / "configs/tiny-gpt.toml"), {"vocab_size": 512, "seq_len": 64},

@@ -69,7 +69,8 @@ def plan_trials(args):
     from ember.plan.stacks import run_stack
     from ember.tune.trials import Trial, local_cluster, plan_inputs, select, trial_command
 
-    from ember.layout import layout_keys
+    from ember.layout import layout_keys, run_problems
+    from ember.plan.report import ties
     from ember.train.setup import check_data_fits, resolve
 
     _check_args(args)
@@ -92,6 +93,9 @@ def plan_trials(args):
         raise ConfigError(f"no layout of {model.name} fits in {cluster.gpu.memory_gib:g} GiB per process on "
                           f"{args.nproc}; the leanest ({leanest.layout.text()}) needs "
                           f"{leanest.memory.total / 2**30:.1f} GiB.")
+    # The layouts --top can reach: those the recipe can train here, in the planner's order.
+    trainable = [p for p in result.ranked if not run_problems(p.layout, config, args.nproc, shape.seq_len, device_type)]
+    close = ties(trainable)
     if args.layout:
         chosen, passed = _given(args.layout, model, cluster, shape, config, args.nproc, device_type), 0
     else:
@@ -108,7 +112,7 @@ def plan_trials(args):
         command = trial_command(args.config, args.data, run_dir, args.nproc, args.steps, settings, args.set)
         trials.append(Trial(i, prediction, command, run_dir, settings,
                             planner_rank=planner_rank.get(id(prediction), i)))
-    return config, cluster, model, shape, result, trials, passed
+    return config, cluster, model, shape, result, trials, passed, close
 
 
 def _given(texts: list[str], model, cluster, shape, config, nproc: int, device_type: str):
@@ -129,19 +133,18 @@ def _given(texts: list[str], model, cluster, shape, config, nproc: int, device_t
 def run_tune(args) -> int:
     import torch
 
-    from ember.plan.report import print_text, ties
+    from ember.plan.report import print_text
     from ember.atomic import write_text
     from ember.process import sigterm_unwinds
     from ember.tune.trials import best_recipe, run_trial
 
-    config, cluster, model, shape, result, trials, passed = plan_trials(args)
+    config, cluster, model, shape, result, trials, passed, close = plan_trials(args)
     out = Path(args.out)
     console = Console() if Console().is_terminal else Console(width=140)
     skipped = f" ({passed} better-ranked cannot train this recipe and were passed over)" if passed else ""
     trying = f"trying the {len(trials)} given" if args.layout else f"trying the top {len(trials)}{skipped}"
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
                         f"{len(result.ranked):,} of {result.considered:,} layouts fit; {trying}")
-    close = ties(result.ranked)
     if close > len(trials) and not args.layout:  # on the public runs, the measured best was always among these
         print_text(console, f"note: {close} layouts lie within the best's predicted interval, so the planner "
                             f"cannot order them; --top {close} measures them all.")
