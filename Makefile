@@ -7,9 +7,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 RUN    := runs/demo-$(shell date +%Y%m%d-%H%M%S)
-# Test processes (pytest-xdist); 0 runs the suite in this one process. More workers
-# finish sooner, but the tests that time a wall-clock budget get less of a loaded machine.
-TEST_WORKERS ?= 0
+# Test processes (pytest-xdist); 0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench clean-demo
 
