@@ -85,7 +85,7 @@ def test_lr_and_mean_pooling_from_the_command_line(run, tmp_path, capsys):
     assert results["protocol"]["lr"] == 1e-4 and results["protocol"]["pooling"] == "mean"
     assert results["pooling"] == "mean"
     capsys.readouterr()
-    for bad in ("0", "nan"):
+    for bad in ("0", "nan", "inf"):
         assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--lr", bad,
                      "--out", str(tmp_path / "bad.json")]) == 2
         err = capsys.readouterr().err

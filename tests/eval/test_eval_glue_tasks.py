@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from eval_helpers import MNLI_DEV, MNLI_TRAIN, write_glue
+from eval_helpers import HEADERS, MNLI_DEV, MNLI_TRAIN, write_glue
 
 from ember.data import DataError, special_token_ids, train_tokenizer
 from ember.eval.encode import encode_split, equal_length_batches, steps_per_epoch, train_batches, truncate_pair
@@ -52,6 +52,18 @@ def test_malformed_files_get_one_sentence(tmp_path, content, words):
     with pytest.raises(DataError, match=words) as err:
         read_split(TASKS["mrpc"], path)
     assert "official GLUE" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("score", ["nan", "inf", "-0.5", "5.2", "high"])
+def test_an_sts_b_score_off_its_scale_is_refused(tmp_path, score):
+    header = "\t".join(HEADERS["STS-B"])
+    row = "\t".join(["0", "main", "f", "2012", "0", "none", "none", "A cat.", "A dog.", "{}"])
+    path = tmp_path / "dev.tsv"
+    path.write_text(f"{header}\n{row.format('3.2')}\n")
+    assert read_split(TASKS["stsb"], path).labels == [3.2]
+    path.write_text(f"{header}\n{row.format(score)}\n")
+    with pytest.raises(DataError, match=f"line 2 has the score '{score}', not a number from 0 to 5"):
+        read_split(TASKS["stsb"], path)
 
 
 def test_a_rare_broken_row_is_skipped_and_counted(tmp_path):

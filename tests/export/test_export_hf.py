@@ -87,6 +87,24 @@ def test_an_existing_folder_is_never_overwritten(tmp_path, capsys):
     assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
 
 
+def test_export_keeps_a_users_folders_and_refuses_a_damaged_run(tmp_path, capsys):
+    make_run(tmp_path / "run", LLAMA)
+    (tmp_path / "hf.tmp").mkdir()  # a name an exporter might have used for its own temporary folder
+    (tmp_path / "hf.tmp" / "keep.txt").write_text("mine")
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf.tmp" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp", "run"]  # nothing left behind
+    capsys.readouterr()
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "run" / "hf")]) == 2
+    assert "lies inside the run" in capsys.readouterr().err and not (tmp_path / "run" / "hf").exists()
+    weights = tmp_path / "run" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a copy cut short
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert "does not hold weights for the model" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf2").exists()
+
+
 MLM_CASES = [
     ["model.objective=mlm", "model.activation=geglu", "model.positions=sinusoidal", "model.norm=layernorm",
      "model.bias=false", "model.tie_embeddings=true"],  # Cramming's BERT

@@ -4,6 +4,7 @@ that `ember --help` stays fast."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -15,8 +16,8 @@ def _cmd_glue(args) -> int:
     from ember.eval.glue import results_table, run_glue
 
     lr = Protocol.lr if args.lr is None else args.lr
-    if not lr > 0:
-        raise ConfigError(f"--lr must be positive, not {args.lr}.")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"--lr must be positive and finite, not {args.lr}.")
     results = run_glue(args.checkpoint, args.glue_dir, tasks=args.tasks, seeds=args.seeds,
                        tokenizer=args.tokenizer, out=args.out, device=args.device, progress=not args.quiet,
                        jobs=args.jobs, protocol=Protocol(lr=lr, pooling=args.pooling))
@@ -29,10 +30,15 @@ def _cmd_glue(args) -> int:
 def _cmd_lm(args) -> int:
     from ember.atomic import write_text
     from ember.eval.lm import evaluate_lm
-    from ember.eval.run import result_path
+    from ember.eval.results import check_lm_data, claim
+    from ember.eval.run import open_run
 
-    result = evaluate_lm(args.checkpoint, args.data, batches=args.batches, batch_size=args.batch_size,
-                         device=args.device)
+    run = open_run(args.checkpoint)
+    out = Path(args.out) if args.out else run.result_path("eval", "lm")
+    earlier = claim(out, run.run_dir, "lm")
+    if earlier is not None:
+        check_lm_data(out, earlier, run.weights, Path(args.data))
+    result = evaluate_lm(run, args.data, batches=args.batches, batch_size=args.batch_size, device=args.device)
     what = "masked-token" if result["objective"] == "mlm" else "next-token"
     line = (f"held-out loss {result['loss']:.4f}   perplexity {result['perplexity']:,.2f}   "
             f"{what} accuracy {100 * result['accuracy']:.2f}%   "
@@ -40,8 +46,6 @@ def _cmd_lm(args) -> int:
     if result["unigram_entropy"]:
         line += f"\n  unigram baseline {result['unigram_entropy']:.4f}"
     print(line)
-    out = Path(args.out) if args.out else result_path(result["checkpoint"], result["weights"], "eval", "lm")
-    out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(result, indent=1))
     print(f"written to {out}")
     return 0

@@ -124,9 +124,10 @@ def make_optimizer(params: list, p: Protocol, device: torch.device) -> torch.opt
 def finetune(model: Classifier, rows: list[list[int]], labels: list, regression: bool, pad_id: int,
              seed: int, p: Protocol, device: torch.device, amp_dtype: torch.dtype | None,
              on_step: Callable[[int, torch.Tensor], None] = lambda step, loss: None,
-             on_epoch: Callable[[int, torch.Tensor, int], None] = lambda epoch, loss_sum, steps: None) -> None:
+             on_epoch: Callable[[int, torch.Tensor, int], None] = lambda epoch, loss_sum, steps: None) -> torch.Tensor:
     """Train `model` in place; `seed` orders the data (the caller seeds the head and dropout).
-    `on_epoch(epoch, summed loss on the device, steps)` follows each epoch."""
+    `on_epoch(epoch, summed loss on the device, steps)` follows each epoch. Returns the last
+    epoch's mean loss, on the device."""
     model.to(device).train()
     optimizer = make_optimizer([q for q in model.parameters() if q.requires_grad], p, device)
     scaler = LossScaler(device, amp_dtype == torch.float16)
@@ -155,6 +156,7 @@ def finetune(model: Classifier, rows: list[list[int]], labels: list, regression:
             on_step(step, loss.detach())
             step += 1
         on_epoch(epoch, loss_sum, step - first)
+    return loss_sum / max(1, step - first)
 
 
 @torch.inference_mode()

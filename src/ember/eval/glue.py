@@ -25,7 +25,8 @@ from ember.atomic import write_text
 from ember.eval.encode import encode_split
 from ember.eval.finetune import Protocol, total_steps
 from ember.eval.glue_jobs import Unit, fit_and_score, run_parallel
-from ember.eval.glue_tasks import COLUMNS, TaskData, load_task, parse_tasks
+from ember.eval.glue_tasks import COLUMNS, TASKS, TaskData, load_task, parse_tasks
+from ember.eval.results import check_glue_setup, claim
 from ember.eval.run import Run, open_run
 from ember.device import device_name, pick_device
 
@@ -124,6 +125,7 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
     chosen = parse_tasks(tasks)
     data = [load_task(Path(glue_dir), task) for task in chosen]  # every file checked before any compute
     target = results_path(run, out)
+    earlier = claim(target, run.run_dir, "glue")
     dev = pick_device(device)
     if jobs > 1 and dev.type != "cpu":
         raise ConfigError(f"--jobs {jobs} runs fine-tuning processes on the CPU; on {device_name(dev)} "
@@ -135,6 +137,8 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
         "seeds": list(range(seeds)), "device": device_name(dev), "jobs": jobs, "convention": CONVENTION,
         "tasks": {},
     }
+    if earlier is not None:
+        check_glue_setup(target, earlier, results)
     tok = None if tokenizer is None else str(tokenizer)
     units = [task_units(run, d, seeds, protocol, str(checkpoint), tok, str(dev)) for d in data]
     with _Bars(progress, jobs) as bars:
@@ -151,13 +155,13 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
                     bars.progress.update(bar, description=f"{d.task.key} seed {unit.seed + 1}/{seeds}")
                     done[d.task.key].append(fit_and_score(
                         unit, run, lambda step, loss, bar=bar: bars.step(bar, step, loss), bars.lines))
+    found = {} if earlier is None else dict(earlier["tasks"])  # tasks run before and not again are kept
     for d, task in zip(data, units):
-        results["tasks"][d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows),
-                                                                                     protocol))
+        found[d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
+    results["tasks"] = {key: found[key] for key in TASKS if key in found}
     results["columns"] = column_scores(results["tasks"])
     results["average"] = sum(results["columns"].values()) / len(results["columns"])
     results["complete"] = list(results["columns"]) == list(COLUMNS)
-    target.parent.mkdir(parents=True, exist_ok=True)
     write_text(target, json.dumps(results, indent=1))
     results["path"] = str(target)
     return results

@@ -10,6 +10,7 @@ what lets N small models share the machine instead of fighting over its cores.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.config import ConfigError
 from ember.device import autocast_dtype
 from ember.eval.finetune import Classifier, Protocol, finetune, predict
 from ember.eval.metrics import compute
@@ -78,8 +80,12 @@ def fit_and_score(unit: Unit, run: Run | None = None, on_step=lambda step, loss:
     torch.manual_seed(unit.seed)  # the head's initialisation and the dropout masks
     model = Classifier(run.build_model(dropout=p.dropout), unit.outputs, p.dropout, p.pooling)
     on_epoch = EpochLines(unit, steps_per_epoch(len(unit.train_rows), p.batch_size)) if lines else None
-    finetune(model, unit.train_rows, unit.train_labels, regression, run.special_tokens["pad"], unit.seed, p,
-             device, amp_dtype, on_step=on_step, **({"on_epoch": on_epoch} if on_epoch else {}))
+    loss = finetune(model, unit.train_rows, unit.train_labels, regression, run.special_tokens["pad"], unit.seed, p,
+                    device, amp_dtype, on_step=on_step, **({"on_epoch": on_epoch} if on_epoch else {}))
+    if not math.isfinite(float(loss)):
+        # A diverged model still predicts something; its score would be a number that means nothing.
+        raise ConfigError(f"fine-tuning {unit.task} (seed {unit.seed}) diverged: its last epoch's loss is "
+                          f"{float(loss)}; try a lower --lr than {p.lr:g}.")
     scores = {column: compute(unit.metrics, predict(model, rows, regression, p, device, amp_dtype), labels)
               for column, (rows, labels) in unit.dev.items()}
     return {"task": unit.task, "seed": unit.seed, "metrics": scores, "seconds": time.perf_counter() - started}

@@ -10,6 +10,7 @@ the majority class.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +52,13 @@ TASKS = {t.key: t for t in (
     Task("rte", "RTE", "sentence1", "sentence2", "label", NLI2, ("accuracy",), (("RTE", "dev.tsv"),)),
 )}
 # The result columns in the order of the BERT and Cramming tables.
+SCORES = (0.0, 5.0)  # the similarity scale of STS-B, the one task scored by regression
 COLUMNS = ("MNLI-m", "MNLI-mm", "QQP", "QNLI", "SST-2", "CoLA", "STS-B", "MRPC", "RTE")
 
 
 def parse_tasks(text: str | None) -> list[Task]:
     """'cola,sst-2,STS-B' -> tasks; None -> all of them."""
-    if not text:
+    if text is None:
         return list(TASKS.values())
     chosen = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
@@ -148,9 +150,11 @@ def _check_row(task: Task, row: list[str], needed: int, label_at: int) -> str | 
     value = row[label_at].strip()
     if task.classes is None:
         try:
-            float(value)
+            score = float(value)
         except ValueError:
-            return f"has the score {value!r}, not a number"
+            score = math.nan
+        if not SCORES[0] <= score <= SCORES[1]:  # also refuses nan
+            return f"has the score {value!r}, not a number from {SCORES[0]:g} to {SCORES[1]:g}"
     elif value not in task.classes:
         return f"has the label {value!r}, not one of {', '.join(task.classes)}"
     return None

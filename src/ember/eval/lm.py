@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ember.config import ConfigError
 from ember.data import Batches, DataError, held_out_seed, load_manifest, make_targets
 from ember.data.manifest import has_document_boundaries
-from ember.eval.run import open_run
+from ember.eval.run import Run, open_run
 from ember.device import autocast, autocast_dtype, device_name, pick_device
 
 IGNORE = -100
@@ -45,10 +45,10 @@ def check_data(run, manifest: dict, data_dir: Path) -> None:
 
 
 @torch.no_grad()
-def evaluate_lm(checkpoint: str | Path, data_dir: str | Path, batches: int | None = None,
+def evaluate_lm(checkpoint: str | Path | Run, data_dir: str | Path, batches: int | None = None,
                 batch_size: int | None = None, device: str = "auto") -> dict:
     """Mean loss per target, its perplexity and argmax accuracy over the targets."""
-    run = open_run(checkpoint)
+    run = checkpoint if isinstance(checkpoint, Run) else open_run(checkpoint)
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     check_data(run, manifest, data_dir)

@@ -22,6 +22,8 @@ the logits then equal ember's everywhere, and the tokenizer never emits the extr
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -147,21 +149,35 @@ MAPPINGS = {"LlamaForCausalLM": llama, "GPT2LMHeadModel": gpt2, "EmberForMaskedL
 
 def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> dict:
     """Write the run as a transformers folder at `out`; return what was written."""
-    from safetensors.torch import save_file
-
     run = open_run(checkpoint, tokenizer)
     architecture = choose_architecture(run.config.model)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not an empty folder; choose another or delete it.")
+    if out.resolve().is_relative_to(run.run_dir.resolve()):
+        # A folder the run does not know would make `ember train --resume` refuse the run.
+        raise ConfigError(f"--out {out} lies inside the run {run.run_dir}; export to a folder outside it.")
     model = run.build_model(dropout=0.0)
     config, state = MAPPINGS[architecture](model, run.special_tokens)
     config["ember"] = {"run_dir": str(run.run_dir), "weights": str(run.weights),
                        "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
-    # Written beside the target, flushed and renamed, so a folder at `out` is always complete.
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # Written beside the target under a fresh name (never a folder of the user's), flushed
+    # and renamed, so a folder at `out` is always complete.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp.mkdir()  # fails rather than reuse a folder that exists
+    try:
+        tensors = _write(tmp, architecture, config, state, run)
+        publish_dir(tmp, out)  # flushed, then renamed over the empty folder checked above
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"architecture": architecture, "out": str(out), "parameters": sum(t.numel() for t in tensors.values()),
+            "vocab_size": run.config.model.padded_vocab, "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
+
+
+def _write(tmp: Path, architecture: str, config: dict, state: dict, run) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -170,6 +186,4 @@ def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | N
     write_tokenizer(tmp, run.tokenizer_path, run.tokenizer, run.special_tokens, run.config.model.max_seq_len)
     if architecture == "EmberForMaskedLM":
         shutil.copyfile(REMOTE_CODE, tmp / "modeling_ember.py")
-    publish_dir(tmp, out)  # flushed, then renamed over the empty folder checked above
-    return {"architecture": architecture, "out": str(out), "parameters": sum(t.numel() for t in tensors.values()),
-            "vocab_size": run.config.model.padded_vocab, "tokenizer_vocab_size": run.tokenizer.get_vocab_size()}
+    return tensors

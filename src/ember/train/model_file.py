@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_model as load_safetensors
 from safetensors.torch import save_file
 from torch import nn
@@ -89,7 +90,7 @@ def load_model(model: nn.Module, path: Path) -> None:
     try:
         # load_model re-ties the weights save_model stored once.
         load_safetensors(model, str(path), strict=True, device="cpu")
-    except (RuntimeError, OSError) as err:
+    except (RuntimeError, OSError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{path} does not hold weights for the model its config.toml describes ({first}); "
                           "point --checkpoint at an unmodified ember run directory.") from None

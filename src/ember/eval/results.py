@@ -1,0 +1,71 @@
+"""Where an evaluation's numbers go, checked before any compute is spent.
+
+A results file lives in the run's `eval/` folder (the default) or outside the run: anywhere
+else in the run it could replace part of the run (its weights, its summary) or, as a file
+the run does not know, make `ember train --resume` refuse the folder. A file already at the
+target is replaced only by the same evaluation of the same weights: GLUE results keep the
+tasks not run again when the fine-tuning setup matches, and held-out scores are replaced only
+for the same data. Any other file is left as it is and the evaluation refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ember.config import ConfigError
+
+# What marks a file as written by each verb.
+_MARKS = {"glue": ("checkpoint", "weights", "tasks", "convention"), "lm": ("checkpoint", "weights", "perplexity")}
+# A GLUE results file gains tasks only from a run that differs in none of these.
+GLUE_SETUP = ("weights", "tokenizer", "objective", "pooling", "protocol", "seeds")
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def claim(path: Path, run_dir: Path, verb: str) -> dict | None:
+    """Check that `ember eval <verb>` may write its results to `path`, creating its folder;
+    return the results of that verb already there, or None."""
+    path, run_dir = Path(path), Path(run_dir).resolve()
+    where = path.resolve()
+    if where.is_relative_to(run_dir) and not where.is_relative_to(run_dir / "eval"):
+        raise ConfigError(f"--out {path} lies inside the run {run_dir} but outside its eval/ folder; "
+                          "write the results there or outside the run.")
+    if path.is_dir():
+        raise ConfigError(f"--out {path} is a folder; give a .json file for the results.")
+    old = None
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            old = None
+        if not isinstance(old, dict) or any(key not in old for key in _MARKS[verb]):
+            raise ConfigError(f"--out {path} exists and is not a results file of `ember eval {verb}`; "
+                              "choose another file.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot write the results to {path} ({err.strerror or err}).") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write the results to {path} (its folder is not writable).")
+    return old
+
+
+def check_glue_setup(path: Path, old: dict, new: dict) -> None:
+    """Refuse to add tasks to results fine-tuned differently: the average would mix setups."""
+    new = json.loads(json.dumps(new))  # as it would be read back: tuples become lists
+    same = {key: _same_path if key in ("weights", "tokenizer") else (lambda a, b: a == b) for key in GLUE_SETUP}
+    differs = [key for key in GLUE_SETUP if not same[key](old.get(key), new[key])]
+    if differs:
+        raise ConfigError(f"{path} holds GLUE results of another setup (its {', '.join(differs)} differ); "
+                          "pass --out another file to keep both.")
+
+
+def check_lm_data(path: Path, old: dict, weights: Path, data_dir: Path) -> None:
+    """Held-out scores are replaced only by scores of the same weights on the same data."""
+    if not (_same_path(old.get("weights"), str(weights)) and _same_path(old.get("data"), str(data_dir))):
+        raise ConfigError(f"{path} holds the scores of {old.get('weights')} on {old.get('data')}; "
+                          "pass --out another file to keep both.")

@@ -1,0 +1,105 @@
+"""Where `ember eval` writes: never over a run's own files or a user's, never half a setup's
+GLUE results mixed with another's, and every refusal before the first fine-tuning step."""
+
+import json
+import shutil
+
+import pytest
+from eval_helpers import trained_run, write_glue
+
+import ember.eval.glue as glue_module
+from ember.cli import main
+from ember.eval.finetune import Protocol
+from ember.eval.glue import run_glue
+from ember.config import ConfigError
+
+
+@pytest.fixture
+def run(dataset, tmp_path_factory, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run("causal", dataset, tmp_path_factory), copy, ignore=shutil.ignore_patterns("eval"))
+    return copy
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("fine-tuning started")
+    monkeypatch.setattr(glue_module, "fit_and_score", refuse)
+
+
+def refused(capsys, code: int, words: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_results_never_replace_the_runs_files(run, dataset, tmp_path, capsys, no_compute):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    before = {name: (run / name).read_bytes() for name in ("model.safetensors", "summary.json")}
+    for out in (run / "model.safetensors", run / "summary.json", run / "notes.json"):
+        code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--out", str(out)])
+        refused(capsys, code, "outside its eval/ folder")
+        code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                     "--out", str(out), "--quiet"])
+        refused(capsys, code, "outside its eval/ folder")
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert not (run / "notes.json").exists()
+
+
+def test_a_users_file_is_never_replaced(run, dataset, tmp_path, capsys, no_compute):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"my": "numbers"}')
+    code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--out", str(mine)])
+    refused(capsys, code, "is not a results file of `ember eval lm`")
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                 "--out", str(mine), "--quiet"])
+    refused(capsys, code, "is not a results file of `ember eval glue`")
+    assert mine.read_text() == '{"my": "numbers"}'
+
+
+def test_an_unwritable_out_is_refused_before_fine_tuning(run, tmp_path, capsys, no_compute):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    (tmp_path / "afile").write_text("x")
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                 "--out", str(tmp_path / "afile" / "r.json"), "--quiet"])
+    refused(capsys, code, "cannot write the results to")
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "", "--quiet"])
+    refused(capsys, code, "--tasks is empty")
+
+
+def test_glue_results_gain_tasks_and_refuse_another_setup(run, tmp_path, capsys):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE", "CoLA"))
+    first = run_glue(run, glue, tasks="rte", seeds=1, progress=False)
+    second = run_glue(run, glue, tasks="cola", seeds=1, progress=False)
+    assert first["path"] == second["path"]
+    kept = json.loads((run / "eval" / "glue" / "results.json").read_text())
+    assert list(kept["tasks"]) == ["cola", "rte"] and list(kept["columns"]) == ["CoLA", "RTE"]
+    assert kept["tasks"]["rte"] == first["tasks"]["rte"]
+    with pytest.raises(ConfigError, match="its protocol differ"):
+        run_glue(run, glue, tasks="rte", seeds=1, progress=False, protocol=Protocol(lr=1e-4))
+    with pytest.raises(ConfigError, match="its seeds differ"):
+        run_glue(run, glue, tasks="rte", seeds=2, progress=False)
+    assert json.loads((run / "eval" / "glue" / "results.json").read_text()) == kept
+
+
+def test_held_out_scores_are_replaced_only_for_the_same_data(run, dataset, tmp_path, capsys):
+    scores = run / "eval" / "lm.json"
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"]) == 0
+    one = json.loads(scores.read_text())["sequences"]
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "2"]) == 0
+    assert json.loads(scores.read_text())["sequences"] == 2 * one
+    other = tmp_path / "other"
+    shutil.copytree(dataset, other)
+    capsys.readouterr()
+    code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(other), "--batches", "1"])
+    refused(capsys, code, "pass --out another file to keep both")
+    assert json.loads(scores.read_text())["data"] == str(dataset)
+
+
+def test_a_diverged_fine_tuning_is_not_a_score(run, tmp_path):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    with pytest.raises(ConfigError, match="rte \\(seed 0\\) diverged"):
+        run_glue(run, glue, tasks="rte", seeds=1, progress=False, out=tmp_path / "r.json",
+                 protocol=Protocol(lr=1e30))
+    assert not (tmp_path / "r.json").exists()
