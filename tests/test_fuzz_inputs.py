@@ -75,3 +75,14 @@ def test_a_damaged_metrics_log_is_read_for_what_is_whole(seed, tmp_path, capsys)
     (run / "summary.json").write_bytes(_garbage(len(str(seed)) + 100))
     assert main(["report", str(run)]) == 0, capsys.readouterr().err
     assert "5.0000" in capsys.readouterr().out
+
+
+def test_log_lines_missing_a_timing_field_still_report(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 1, "tokens": 64, "loss": 5.0, "tokens_per_s": 64.0},  # no elapsed_s
+             {"step": 2, "tokens": 128, "loss": 4.0, "tokens_per_s": 64.0, "compute_s": 0.5}]  # no exposed_comm_s
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "4.0000" in out and "time" not in out and "exposed communication" not in out

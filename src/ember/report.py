@@ -87,7 +87,8 @@ def summary_text(run_dir: Path) -> str:
     lines = [
         f"run        {run_dir}",
         f"status     {summary.get('status', 'running or killed')}",
-        f"steps      {last['step']:,}   tokens {last['tokens']:,}   time {last['elapsed_s']:.0f}s",
+        f"steps      {last['step']:,}   tokens {last['tokens']:,}"
+        + (f"   time {last['elapsed_s']:.0f}s" if _number(last.get("elapsed_s")) else ""),
         f"train loss {last['loss']:.4f}",
     ]
     if evals:
@@ -98,9 +99,10 @@ def summary_text(run_dir: Path) -> str:
     lines.append(f"tokens/s   {sorted(steady)[len(steady) // 2]:,.0f} (median of logged windows)")
     if mfus:
         lines.append(f"MFU        {100 * sorted(mfus)[len(mfus) // 2]:.1f}% (median)")
-    profiled = [r for r in train[1:] if r.get("compute_s") is not None and r["compute_s"] == r["compute_s"]]
+    names = ("compute", "exposed_comm", "bubble")
+    profiled = [r for r in train[1:] if all(_number(r.get(f"{n}_s")) and math.isfinite(r[f"{n}_s"]) for n in names)]
     if profiled:  # runs under torchrun: where the profiled steps' time went
-        parts = {name: sum(r[f"{name}_s"] for r in profiled) for name in ("compute", "exposed_comm", "bubble")}
+        parts = {name: sum(r[f"{name}_s"] for r in profiled) for name in names}
         lines.append(f"compute    {parts['compute']:.2f}s   exposed communication {parts['exposed_comm']:.2f}s   "
                      f"pipeline bubble {parts['bubble']:.2f}s (over {len(profiled)} profiled steps)")
     return "\n".join(lines)

@@ -4,10 +4,12 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 from eval_helpers import trained_run
 
 from ember.cli import main
+from ember.data.manifest import file_sha256
 from ember.eval.lm import evaluate_lm
 
 
@@ -49,6 +51,31 @@ def test_data_the_model_cannot_read_is_refused(dataset, tmp_path_factory, tmp_pa
     assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(other)]) == 2
     err = capsys.readouterr().err
     assert "vocabulary of 100000" in err and err.count("\n") == 1
+
+
+def test_a_damaged_held_out_shard_or_run_record_is_one_sentence(dataset, tmp_path_factory, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run("causal", dataset, tmp_path_factory), run, ignore=shutil.ignore_patterns("eval"))
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    shard = manifest["splits"]["val"]["shards"][0]
+    ids = np.load(data / shard["file"], mmap_mode="r+")
+    ids[0, 3] = 60_000  # beyond the vocabulary of 512
+    ids.flush()
+    del ids
+    args = ["eval", "lm", "--checkpoint", str(run), "--data", str(data), "--out", str(tmp_path / "lm.json")]
+    for words in ("does not match its checksum", "holds the token id 60000"):
+        err = (main(args), capsys.readouterr().err)
+        assert err[0] == 2 and words in err[1] and err[1].count("\n") == 1, err
+        shard["sha256"] = file_sha256(data / shard["file"])  # damage the checksum cannot see
+        (data / "manifest.json").write_text(json.dumps(manifest))
+    (run / "data.json").write_text("[1, 2")
+    args = ["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--out", str(tmp_path / "lm.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "data.json is damaged" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "lm.json").exists()
 
 
 def test_checkpoint_folders_and_unfinished_runs(dataset, tmp_path_factory, tmp_path):

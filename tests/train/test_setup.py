@@ -96,3 +96,7 @@ def test_resume_refuses_data_from_another_tokenizer(tmp_path):
     check_resume_data({"tokenizer_sha256": "aaa"}, tmp_path / "data.json")
     with pytest.raises(ConfigError, match="another tokenizer"):
         check_resume_data({"tokenizer_sha256": "bbb"}, tmp_path / "data.json")
+    for damaged in ("[1, 2]", "{broken"):
+        (tmp_path / "data.json").write_text(damaged)
+        with pytest.raises(ConfigError, match="is damaged"):
+            check_resume_data({"tokenizer_sha256": "aaa"}, tmp_path / "data.json")

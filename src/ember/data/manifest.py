@@ -38,10 +38,12 @@ def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str) -> None:
                         "prepare the data again.")
 
 
-def _listed_files(manifest: dict) -> list[tuple[str, dict]]:
-    """(what, entry) for every file the manifest lists with a sha256, shards first."""
+def _listed_files(manifest: dict, splits: tuple[str, ...] | None = None) -> list[tuple[str, dict]]:
+    """(what, entry) for every file the manifest lists with a sha256 (in `splits`, or all), shards first."""
     files = []
-    for split in manifest["splits"].values():
+    for name, split in manifest["splits"].items():
+        if splits is not None and name not in splits:
+            continue
         for shard in split["shards"]:
             files.append(("shard", shard))
             if "doc_boundaries" in shard:
@@ -51,10 +53,11 @@ def _listed_files(manifest: dict) -> list[tuple[str, dict]]:
     return files
 
 
-def verify_checksums(data_dir: Path, manifest: dict, part: int = 0, parts: int = 1) -> None:
+def verify_checksums(data_dir: Path, manifest: dict, part: int = 0, parts: int = 1,
+                     splits: tuple[str, ...] | None = None) -> None:
     """Hash the listed files (all of them, or every `parts`-th from `part`: under torchrun
     each rank reads its share, so the data is read once in all) and refuse a damaged one."""
-    for what, entry in list(_listed_files(manifest))[part::parts]:
+    for what, entry in list(_listed_files(manifest, splits))[part::parts]:
         path = Path(data_dir) / entry["file"]
         if file_sha256(path) != entry["sha256"]:
             raise DataError(f"{what} {path} does not match its checksum in manifest.json; it is damaged, "

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ember.config import ConfigError
 from ember.data import Batches, DataError, held_out_seed, load_manifest, make_targets
-from ember.data.manifest import has_document_boundaries
+from ember.data.manifest import has_document_boundaries, verify_checksums
 from ember.eval.run import Run, open_run
 from ember.device import autocast, autocast_dtype, device_name, pick_device
 
@@ -59,8 +59,13 @@ def evaluate_lm(checkpoint: str | Path | Run, data_dir: str | Path, batches: int
     val = Batches(data_dir, manifest, "val", seed=cfg.data.seed, documents=cfg.data.document_mask)
     if len(val) == 0:
         raise DataError(f"the data in {data_dir} has no held-out sequences; prepare it with --val-fraction > 0.")
+    if cfg.data.verify:
+        verify_checksums(data_dir, manifest, splits=("val",))
     # The run's attention: per document (docs) or not (None).
     ids, docs = val.fixed(len(val) if batches is None else batches * batch_size)
+    if len(ids) and int(ids.max()) >= cfg.model.vocab_size:  # a damaged shard with a matching checksum
+        raise DataError(f"the held-out data in {data_dir} holds the token id {int(ids.max())}, beyond the "
+                        f"model's vocabulary of {cfg.model.vocab_size}; prepare the data again.")
     dev = pick_device(device)
     amp_dtype = autocast_dtype(cfg.train.precision, dev)
     model = run.build_model(device=dev).eval()

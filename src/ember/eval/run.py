@@ -112,7 +112,13 @@ def open_run(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Run
         raise ConfigError(f"the tokenizer {tok_file} has {vocab} tokens but the model was trained on a "
                           f"vocabulary of {config.model.vocab_size}; {fix}.")
     data_path = run_dir / "data.json"
-    data = json.loads(data_path.read_text()) if data_path.is_file() else {}
+    try:
+        data = json.loads(data_path.read_text(encoding="utf-8")) if data_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{data_path} is damaged (not a JSON table); it records the data the run was trained "
+                          "on: delete it to go on without checking the tokenizer against it.")
     trained_with = data.get("tokenizer_sha256")
     if trained_with and tokenizer_sha256(tok_file) != trained_with:
         # Same size, other tokens: every score would be silently meaningless.

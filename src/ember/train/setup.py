@@ -104,8 +104,10 @@ def check_resume_data(manifest: dict, saved_path: Path) -> None:
     try:
         saved = json.loads(saved_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
+        saved = None
+    if not isinstance(saved, dict):
         raise ConfigError(f"{saved_path} is damaged (not JSON); it records the data the run was trained on, "
-                          "so the run cannot be resumed safely: start a new run in another --out.") from None
+                          "so the run cannot be resumed safely: start a new run in another --out.")
     if saved.get("tokenizer_sha256") and saved["tokenizer_sha256"] != manifest.get("tokenizer_sha256"):
         raise ConfigError("--data was prepared with another tokenizer than the run being resumed; "
                           "resume with the run's own data or start a new run in another --out.")
