@@ -56,10 +56,21 @@ def test_budgets(text, kind, amount):
     assert (budget.kind, budget.amount) == (kind, amount)
 
 
-@pytest.mark.parametrize("text", ["", "10", "ten minutes", "0steps", "5 parsecs"])
-def test_bad_budgets(text):
-    with pytest.raises(ConfigError):
+@pytest.mark.parametrize("text, words", [
+    ("", "not understood"), ("10", "not understood"), ("ten minutes", "not understood"),
+    ("5 parsecs", "not understood"), ("0steps", "must be a positive"), ("-5m", "must be a positive"),
+    ("1e400tok", "must be a positive"),
+])
+def test_bad_budgets(text, words):
+    with pytest.raises(ConfigError, match=words):
         parse_budget(text)
+
+
+@pytest.mark.parametrize("value", ['["tensorboard", "wandb"]', "[tensorboard, wandb]", "tensorboard,wandb",
+                                   "['tensorboard', 'wandb']"])
+def test_a_list_setting_from_the_command_line(value):
+    assert load_config(None, [f"train.trackers={value}"]).train.trackers == ["tensorboard", "wandb"]
+    assert load_config(None, ["train.trackers=[]"]).train.trackers == []
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):

@@ -28,14 +28,16 @@ _UNITS = {
     "h": ("seconds", 3600), "d": ("seconds", 86400),
     "tok": ("tokens", 1), "tokens": ("tokens", 1), "steps": ("steps", 1), "step": ("steps", 1),
 }
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+_BUDGET = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
 
 
 def parse_budget(text: str, name: str = "budget") -> Budget:
     """'90s', '10m', '2h', '1e8tok', '500steps' -> Budget."""
     match = _BUDGET.match(str(text))
     unit = match and _UNITS.get(match.group(2).lower())
-    if not unit or not 0 < float(match.group(1)) < math.inf:
+    if unit and not 0 < float(match.group(1)) < math.inf:
+        raise ConfigError(f"{name} {text!r} must be a positive, finite amount, such as 90s or 500steps.")
+    if not unit:
         raise ConfigError(
             f"{name} {text!r} is not understood; write a time (90s, 10m, 2h), "
             "tokens (1e8tok) or steps (500steps)."

@@ -232,8 +232,12 @@ def coerce(name: str, value: Any, current: Any) -> Any:
     elif kind is str:
         return str(value).lower() if isinstance(value, bool) else str(value)  # compile = true
     elif kind is list:
-        if isinstance(value, str):
-            value = [v for v in value.strip("[]").split(",") if v.strip()]
+        if isinstance(value, str):  # --set a=[x, "y"]: a TOML array, or bare words between commas
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            value = [value] if isinstance(value, str) else value
         if isinstance(value, list):
             try:
                 return [type(current[0])(v) for v in value] if current else list(value)

@@ -71,12 +71,17 @@ def check_document_mask(config: Config, manifest: dict) -> None:
                           "without; prepare it again with --doc-boundaries or set data.document_mask=false.")
 
 
-# Keys that may change between an interrupted run and its resumption. The layout may:
-# sharded checkpoints are keyed by parameter name, and every layout computes the same step.
-_MAY_CHANGE = {("data", "verify"), ("data", "prefetch"), ("train", "budget"), ("train", "device"), ("train", "compile"),
-               ("train", "checkpoint_every"), ("train", "keep_checkpoints"), ("train", "checkpoint_async"), ("train", "log_every"),
-               *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
-                                               "vpp", "schedule", "recompute", "recompute_every"))}
+# Keys that may change between an interrupted run and its resumption: none changes the
+# training step. The layout may (sharded checkpoints are keyed by parameter name, and every
+# layout computes the same step), and so may the micro-batch (the same global batch in other
+# slices); evaluation, logging, checkpointing and spike handling change what is recorded.
+_MAY_CHANGE = {
+    *(("data", key) for key in ("verify", "prefetch")),
+    *(("train", key) for key in ("budget", "device", "compile", "micro_batch", "log_every", "eval_every",
+                                 "eval_batches", "checkpoint_every", "keep_checkpoints", "checkpoint_async",
+                                 "timeout_s", "on_spike", "spike_sigma", "spike_window", "trackers", "breakdown")),
+    *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
+                                    "vpp", "schedule", "recompute", "recompute_every"))}
 
 
 def check_resume_config(config: Config, saved_path: Path) -> None:
