@@ -39,7 +39,7 @@ def _train(dataset, tmp_path, *extra):
     (["--set", "train.micro_batch=1e400"], "train.micro_batch must be a whole number"),
     (["--set", "model.norm_eps=0"], "model.norm_eps must be"),
     (["--set", "model.init_std=-0.02"], "model.init_std must be"),
-    (["--budget", "1e400tok"], "not understood"),
+    (["--budget", "1e400tok"], "must be a positive, finite amount"),
     (["--set", "parallel.stage_layers=[a,b]"], "parallel.stage_layers must be a list of whole numbers"),
 ])
 def test_train_mistakes(dataset, tmp_path, capsys, extra, words):

@@ -1,5 +1,9 @@
+import json
+
+import pytest
 import torch
 
+from ember.config import ConfigError
 from ember.train.checkpoint import latest, list_checkpoints, load, save
 
 
@@ -47,3 +51,20 @@ def test_tied_weights_survive(tmp_path):
     load(latest(tmp_path), [fresh])
     assert torch.equal(fresh[0].weight, model[0].weight)
     assert fresh[1].weight is fresh[0].weight
+
+
+def test_a_flipped_byte_in_a_shard_is_named_before_loading(tmp_path):
+    model, opt = _model_and_optimizer(0)
+    folder = save(tmp_path, 3, [model], [opt], {"progress": {"step": 3}})
+    listed = json.loads((folder / "checksums.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.distcp"))
+    assert shards and set(shards) <= set(listed) and "rng/rank_00000.pt" in listed and ".metadata" in listed
+    shard = folder / shards[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a stored number: the tensor format itself cannot notice
+    shard.write_bytes(bytes(data))
+    other, other_opt = _model_and_optimizer(1)
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(ConfigError, match=f"{shards[0]} is missing or does not match its checksum"):
+        load(folder, [other], [other_opt])
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing was loaded

@@ -15,7 +15,8 @@ A checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` holding:
   `weights_only=True`), restored only when the loading layout is the saving one
   (`restores_rng`);
 - `sharded.json` (world size and parallel degrees at save time) and `state.json`
-  (progress and data position: the `state` the trainer passes), written by rank 0.
+  (progress and data position: the `state` the trainer passes), written by rank 0;
+- `checksums.json`, the sha256 of every other file, checked before a load (`checksums.py`).
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 flushes and renames it, so
 a crash at any moment leaves the newest complete checkpoint loadable. `Checkpointer`
@@ -49,6 +50,7 @@ from torch.optim import Optimizer
 
 from ember.atomic import publish_dir
 from ember.config import ConfigError
+from ember.train import checksums
 
 PREFIX = "step_"
 LAYOUT_FILE = "sharded.json"  # its name from when only torchrun runs wrote this format
@@ -208,7 +210,8 @@ def save(run_dir: Path, step: int, parts: list[nn.Module], optimizers: list[Opti
     to_save, _, _ = _collect(parts, optimizers, aliases=True)
     with _quiet_single_process():
         dcp.save(to_save, checkpoint_id=str(tmp))
-    barrier()  # every rank's files are complete before rank 0 publishes the folder
+    barrier()  # every rank's files are complete before they are hashed and published
+    checksums.write(tmp)
     _publish(run_dir, tmp, final, keep)
     barrier()  # nobody reads or rewrites the folder before it has its final name
     return final
@@ -245,6 +248,7 @@ class Checkpointer:
 
         def finish() -> None:
             written.result()  # returns once every rank's shards are written (DCP gathers their results)
+            checksums.write(tmp, self.group)
             _publish(run_dir, tmp, final, keep)
 
         self.pending = self.pool.submit(finish)
@@ -276,6 +280,10 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
             raise ConfigError(f"{path} was written by an older ember in a format this one cannot resume; "
                               "its model.safetensors still evaluates and exports, or start a new run.")
         raise ConfigError(f"{path} is not an ember checkpoint (it has no {LAYOUT_FILE}).")
+    damaged = checksums.first_damaged(path)
+    if damaged is not None:
+        raise ConfigError(f"{path / damaged} is missing or does not match its checksum: the checkpoint is damaged; "
+                          f"rename it to {path.name}.damaged and --resume takes the one before it.")
     # Fresh optimizers get zero states here, shaped and placed like the parameters, so
     # DCP has a destination for every shard.
     to_load, model_keys, optim_keys = _collect(parts, optimizers)

@@ -1,0 +1,75 @@
+"""Per-file checksums of a checkpoint, so that a damaged file (a flipped bit on disk, a
+copy cut short) is named before it is loaded instead of training on from wrong numbers.
+
+Every rank hashes an equal share of the folder's files (every world-th, by sorted name),
+so the work per rank does not grow with the world size: a checkpoint is read back once in
+all, right after it is written, while its pages are still in the host's cache. Rank 0
+writes the list as `checksums.json`; a load checks its share the same way, and every rank
+learns the first damaged file. Checkpoints without the list (older ones) load unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+FILE = "checksums.json"
+
+
+def _rank_world(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _gather(item, group) -> list:
+    if not dist.is_initialized():
+        return [item]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, item, group=group)
+    return out
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != FILE)
+
+
+def write(folder: Path, group=None) -> None:
+    """Hash this rank's share of the complete folder; rank 0 writes the whole list.
+    Every rank of `group` calls it, after every rank's files are written."""
+    rank, world = _rank_world(group)
+    names = _files(folder)
+    mine = {name: sha256(folder / name) for name in names[rank::world]}
+    every = _gather(mine, group)
+    if rank == 0:
+        found = {name: digest for part in every for name, digest in part.items()}
+        (folder / FILE).write_text(json.dumps(dict(sorted(found.items())), indent=1))
+
+
+def first_damaged(folder: Path) -> str | None:
+    """The first file (by name) that is missing or does not match its checksum, as every
+    rank sees it; None when all match or the folder has no list. Every rank calls it."""
+    listed = folder / FILE
+    try:
+        expected = json.loads(listed.read_text()) if listed.is_file() else None
+    except (OSError, ValueError):
+        expected = {FILE: "unreadable"}
+    if expected is not None and not isinstance(expected, dict):
+        expected = {FILE: "unreadable"}
+    rank, world = _rank_world(None)
+    bad = None
+    for name in sorted(expected or {})[rank::world]:
+        path = folder / name
+        if name == FILE or not path.is_file() or sha256(path) != expected[name]:
+            bad = name
+            break
+    damaged = [b for b in _gather(bad, None) if b is not None]
+    return min(damaged) if damaged else None
