@@ -61,7 +61,7 @@ CASES = [
     ("eval-lm-zero-batch-size", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--batch-size", "0"],
      "--batch-size"),
     ("eval-lm-bad-device", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--device", "tpu9"],
-     "device"),
+     "--device 'tpu9' is not a device"),
     ("eval-lm-out-under-file", ["eval", "lm", "--checkpoint", "{run}", "--data", "{data}", "--out",
                                 "{file}/r.json"], "a_file"),
     # eval glue
@@ -78,7 +78,7 @@ CASES = [
     ("export-onto-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}"], "a_file"),
     ("export-onto-the-run", ["export", "hf", "--checkpoint", "{run}", "--out", "{run}"], "run"),
     ("export-missing-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf2", "--tokenizer",
-                                 "{missing}.json"], "missing"),
+                                 "{missing}.json"], "does not exist; pass an existing tokenizer.json"),
     ("export-bad-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf3", "--tokenizer",
                               "{notes}"], "notes.txt"),
     # report

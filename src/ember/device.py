@@ -13,7 +13,8 @@ from ember.config import ConfigError
 from ember.hardware import peak_flops
 
 
-def pick_device(name: str = "auto") -> torch.device:
+def pick_device(name: str = "auto", setting: str = "train.device") -> torch.device:
+    """The device `name` means; `setting` is what the user wrote it as, for the error."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -23,9 +24,10 @@ def pick_device(name: str = "auto") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"train.device {name!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
+        raise ConfigError(f"{setting} {name!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device asks for CUDA but this machine has no CUDA GPU; use train.device=auto.")
+        auto = "--device auto" if setting.startswith("--") else f"{setting}=auto"
+        raise ConfigError(f"{setting} asks for CUDA but this machine has no CUDA GPU; use {auto}.")
     return device
 
 

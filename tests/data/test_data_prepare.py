@@ -158,7 +158,7 @@ def test_bad_arguments_are_refused_before_work(synthetic, tmp_path):
                        (dict(tokenizer="bpe", vocab_size=100), "at least 256"),
                        (dict(tokenizer="wordpiece", vocab_size=50), "at least 100"),
                        (dict(inputs=[tmp_path / "nope.txt"]), "does not exist"),
-                       (dict(tokenizer=str(tmp_path / "nope.json")), "does not exist")]:
+                       (dict(tokenizer=str(tmp_path / "nope.json")), "names neither a kind to train")]:
         with pytest.raises(DataError, match=words):
             prepare(**{**good, **bad})
     assert not (tmp_path / "o" / "manifest.json").exists()

@@ -250,6 +250,11 @@ def test_dry_run_prints_commands_and_runs_nothing(recipe, dataset, tmp_path, cap
     # More layouts than the one asked for are too close to order: the user is told how many.
     close = int(re.search(r"note: (\d+) layouts lie within the best's predicted interval", printed).group(1))
     assert close > 1 and f"--top {close} measures them all" in printed
+    # The profile was calibrated by 2 processes sharing the CPU; one trial process gets it all.
+    assert "was measured with 2 processes on this machine, not 1" in printed
+    assert main(["tune", str(recipe), "--data", str(dataset), "--nproc", "2", "--profile", str(_profile(tmp_path)),
+                 "--top", "1", "--out", str(out), "--dry-run"]) == 0
+    assert "was measured with" not in capsys.readouterr().out
 
 
 def test_the_near_tie_count_leaves_out_layouts_the_recipe_cannot_train(recipe, dataset, tmp_path, capsys,

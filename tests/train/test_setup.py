@@ -31,6 +31,9 @@ def test_vocabulary_resolved_from_data():
     assert resolved.model.vocab_size == 1000 and resolved.model.padded_vocab == 1024
     assert resolved.train.budget == "5steps"
     assert cfg.model.vocab_size == 0 and cfg.train.budget != "5steps"  # the caller's config is left alone
+    with pytest.raises(ConfigError, match=r"train.global_batch \(64\) is larger than the data's train split \(40"):
+        check_data_fits(cfg, {**manifest, "splits": {"train": {"sequences": 40}}})
+    check_data_fits(cfg, {**manifest, "splits": {"train": {"sequences": 64}}})
     no_mask = load_config(None, ["model.objective=mlm"])
     with pytest.raises(ConfigError, match="no mask token"):
         check_data_fits(no_mask, {**manifest, "special_tokens": {"mask": None}})

@@ -64,6 +64,9 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
         raise DataError(f"val_fraction {val_fraction} must lie in [0, 0.5); 0.01 is typical.")
     if shard_sequences < 1:
         raise DataError("shard_sequences must be at least 1.")
+    if tokenizer not in KINDS and not Path(tokenizer).exists():
+        raise DataError(f"--tokenizer {tokenizer} names neither a kind to train ({', '.join(KINDS)}) nor an "
+                        "existing tokenizer.json; the file does not exist.")
     if tokenizer in KINDS and vocab_size < min_vocab_size(tokenizer):
         raise DataError(f"vocab_size {vocab_size} is too small for {tokenizer}; "
                         f"use at least {min_vocab_size(tokenizer)}.")

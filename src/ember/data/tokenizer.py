@@ -72,8 +72,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise DataError(f"tokenizer file {path} does not exist; "
-                        "pass wordpiece, bpe or an existing tokenizer.json.")
+        raise DataError(f"tokenizer file {path} does not exist; pass an existing tokenizer.json.")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for malformed files

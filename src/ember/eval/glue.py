@@ -126,7 +126,7 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
     data = [load_task(Path(glue_dir), task) for task in chosen]  # every file checked before any compute
     target = results_path(run, out)
     earlier = claim(target, run.run_dir, "glue")
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     if jobs > 1 and dev.type != "cpu":
         raise ConfigError(f"--jobs {jobs} runs fine-tuning processes on the CPU; on {device_name(dev)} "
                           "use --jobs 1 (or --device cpu).")

@@ -66,7 +66,7 @@ def evaluate_lm(checkpoint: str | Path | Run, data_dir: str | Path, batches: int
     if len(ids) and int(ids.max()) >= cfg.model.vocab_size:  # a damaged shard with a matching checksum
         raise DataError(f"the held-out data in {data_dir} holds the token id {int(ids.max())}, beyond the "
                         f"model's vocabulary of {cfg.model.vocab_size}; prepare the data again.")
-    dev = pick_device(device)
+    dev = pick_device(device, "--device")
     amp_dtype = autocast_dtype(cfg.train.precision, dev)
     model = run.build_model(device=dev).eval()
     loss_sum, correct, targets = 0.0, 0, 0

@@ -55,6 +55,10 @@ def check_data_fits(config: Config, manifest: dict) -> None:
             f"model.max_seq_len ({m.max_seq_len}) is shorter than the data's sequences "
             f"({seq_len}); set model.max_seq_len={seq_len} or prepare with --seq-len {m.max_seq_len}."
         )
+    rows = int(manifest.get("splits", {}).get("train", {}).get("sequences", 0))
+    if 0 < rows < config.train.global_batch:
+        raise ConfigError(f"train.global_batch ({config.train.global_batch}) is larger than the data's train split "
+                          f"({rows} sequences), so every step would repeat rows; lower it or prepare more data.")
     if config.data.order == "curriculum" and "curriculum" not in manifest["splits"]["train"]:
         raise ConfigError("data.order = \"curriculum\" needs data prepared with --curriculum sentence-length, "
                           "which this data was not; prepare it again with that flag or set data.order = \"shuffle\".")

@@ -133,6 +133,7 @@ def _given(texts: list[str], model, cluster, shape, config, nproc: int, device_t
 def run_tune(args) -> int:
     import torch
 
+    from ember.plan.cluster import read_profile
     from ember.plan.report import print_text
     from ember.atomic import write_text
     from ember.process import sigterm_unwinds
@@ -145,6 +146,12 @@ def run_tune(args) -> int:
     trying = f"trying the {len(trials)} given" if args.layout else f"trying the top {len(trials)}{skipped}"
     print_text(console, f"{model.name} on {cluster.describe()}; profile: {cluster.source}\n"
                         f"{len(result.ranked):,} of {result.considered:,} layouts fit; {trying}")
+    measured_with = read_profile(args.profile)[1].gpus_per_node if args.profile else args.nproc
+    if measured_with != args.nproc and cluster.gpu.name.startswith("cpu"):
+        # A CPU's processes share its cores and memory: what one measured alone, two do not get each.
+        print_text(console, f"note: {args.profile} was measured with {measured_with} process"
+                            f"{'es' * (measured_with > 1)} on this machine, not {args.nproc}; for predictions of "
+                            f"these trials calibrate under `torchrun --nproc-per-node {args.nproc}`.")
     if close > len(trials) and not args.layout:  # on the public runs, the measured best was always among these
         print_text(console, f"note: {close} layouts lie within the best's predicted interval, so the planner "
                             f"cannot order them; --top {close} measures them all.")
