@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 data/stdlib.jsonl: | install
 	$(BIN)/ember data corpus --out $@

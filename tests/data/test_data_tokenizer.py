@@ -74,3 +74,9 @@ def test_user_tokenizers_special_roles():
     assert special_token_ids(roberta) == {"sep": 2, "pad": 1, "mask": 5, "cls": 0, "unk": 3}
     with pytest.raises(DataError, match="separator"):
         special_token_ids(_wordlevel(["<unk>", "hello", "world"]))
+
+
+def test_training_progress_leaves_stdout_to_results(capfd):
+    train_tokenizer("bpe", ["hello world, said the cat"] * 50, 300, show_progress=True)
+    print("result")
+    assert capfd.readouterr().out == "result\n"

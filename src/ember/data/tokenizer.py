@@ -6,7 +6,10 @@ document itself, so the shards hold exactly the tokens the model sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -62,8 +65,24 @@ def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int,
     if vocab_size < min_vocab_size(kind):
         raise DataError(f"vocab_size {vocab_size} is too small for {kind}; use at least {min_vocab_size(kind)}.")
     tok, trainer = (_wordpiece if kind == "wordpiece" else _bpe)(vocab_size, show_progress)
-    tok.train_from_iterator(documents, trainer=trainer)
+    with _stdout_to_stderr() if show_progress else contextlib.nullcontext():
+        tok.train_from_iterator(documents, trainer=trainer)
     return tok
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """The trainer's progress bars end each stage with a newline on file descriptor 1, even
+    when they draw nothing; stdout is for results, so it writes to stderr meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
