@@ -81,6 +81,9 @@ def test_glue_results_gain_tasks_and_refuse_another_setup(run, tmp_path, capsys)
     with pytest.raises(ConfigError, match="its seeds differ"):
         run_glue(run, glue, tasks="rte", seeds=2, progress=False)
     assert json.loads((run / "eval" / "glue" / "results.json").read_text()) == kept
+    (run / "eval" / "glue" / "results.json").write_text(json.dumps(kept | {"tasks": {"rte": {"metrics": [1]}}}))
+    with pytest.raises(ConfigError, match="is damaged"):
+        run_glue(run, glue, tasks="cola", seeds=1, progress=False)
 
 
 def test_held_out_scores_are_replaced_only_for_the_same_data(run, dataset, tmp_path, capsys):

@@ -62,6 +62,17 @@ def check_glue_setup(path: Path, old: dict, new: dict) -> None:
     if differs:
         raise ConfigError(f"{path} holds GLUE results of another setup (its {', '.join(differs)} differ); "
                           "pass --out another file to keep both.")
+    tasks = old["tasks"]
+    if not (isinstance(tasks, dict) and all(_scored(task) for task in tasks.values())):
+        # Found now, not after fine-tuning: the kept tasks are merged into the new file.
+        raise ConfigError(f"{path} is damaged (its tasks are not GLUE results); pass --out another file.")
+
+
+def _scored(task) -> bool:
+    metrics = task.get("metrics") if isinstance(task, dict) else None
+    return isinstance(metrics, dict) and all(
+        isinstance(m, dict) and m and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in m.values())
+        for m in metrics.values())
 
 
 def check_lm_data(path: Path, old: dict, weights: Path, data_dir: Path) -> None:
