@@ -1,12 +1,20 @@
 """Shared fixtures: one small real-text corpus and one prepared dataset per test session."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n N` the N workers share the cores: one thread each (and in the
+    # processes they start), or their thread pools wait on each other's threads.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # A model small enough that a few hundred steps take seconds on two CPU cores.
 TINY = ["model.hidden=32", "model.layers=2", "model.heads=2", "model.mlp_hidden=64",
