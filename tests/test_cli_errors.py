@@ -40,6 +40,7 @@ def _train(dataset, tmp_path, *extra):
     (["--set", "model.norm_eps=0"], "model.norm_eps must be"),
     (["--set", "model.init_std=-0.02"], "model.init_std must be"),
     (["--budget", "1e400tok"], "must be a positive, finite amount"),
+    (["--budget", "-5m"], "budget '-5m' must be a positive, finite amount"),
     (["--set", "parallel.stage_layers=[a,b]"], "parallel.stage_layers must be a list of whole numbers"),
 ])
 def test_train_mistakes(dataset, tmp_path, capsys, extra, words):

@@ -7,6 +7,7 @@ training run saves a checkpoint and exits with 128 + the signal number.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from pathlib import Path
@@ -114,8 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """`--budget -5m` as `--budget=-5m`: argparse takes any word starting with "-" that is
+    not a plain number for an option, and would answer with its usage instead of the
+    value's own check."""
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def _run(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_negative_values_joined(sys.argv[1:] if argv is None else argv))
     from ember.data import DataError
 
     try:
