@@ -68,3 +68,6 @@ def test_a_flipped_byte_in_a_shard_is_named_before_loading(tmp_path):
     with pytest.raises(ConfigError, match=f"{shards[0]} is missing or does not match its checksum"):
         load(folder, [other], [other_opt])
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing was loaded
+    (folder / "checksums.json").write_text("[not a list")
+    with pytest.raises(ConfigError, match="checksums.json is missing or does not match"):
+        load(folder, [other], [other_opt])

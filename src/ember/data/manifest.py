@@ -15,11 +15,8 @@ _REQUIRED = ("vocab_size", "seq_len", "dtype", "special_tokens", "splits")
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str) -> None:

@@ -10,11 +10,12 @@ learns the first damaged file. Checkpoints without the list (older ones) load un
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch.distributed as dist
+
+from ember.data.manifest import file_sha256
 
 FILE = "checksums.json"
 
@@ -33,11 +34,6 @@ def _gather(item, group) -> list:
     return out
 
 
-def sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != FILE)
 
@@ -47,7 +43,7 @@ def write(folder: Path, group=None) -> None:
     Every rank of `group` calls it, after every rank's files are written."""
     rank, world = _rank_world(group)
     names = _files(folder)
-    mine = {name: sha256(folder / name) for name in names[rank::world]}
+    mine = {name: file_sha256(folder / name) for name in names[rank::world]}
     every = _gather(mine, group)
     if rank == 0:
         found = {name: digest for part in every for name, digest in part.items()}
@@ -59,16 +55,16 @@ def first_damaged(folder: Path) -> str | None:
     rank sees it; None when all match or the folder has no list. Every rank calls it."""
     listed = folder / FILE
     try:
-        expected = json.loads(listed.read_text()) if listed.is_file() else None
+        expected = json.loads(listed.read_text()) if listed.is_file() else {}
     except (OSError, ValueError):
-        expected = {FILE: "unreadable"}
-    if expected is not None and not isinstance(expected, dict):
-        expected = {FILE: "unreadable"}
+        expected = None
+    if not isinstance(expected, dict):  # a damaged list names itself
+        expected = {FILE: ""}
     rank, world = _rank_world(None)
     bad = None
-    for name in sorted(expected or {})[rank::world]:
+    for name in sorted(expected)[rank::world]:
         path = folder / name
-        if name == FILE or not path.is_file() or sha256(path) != expected[name]:
+        if name == FILE or not path.is_file() or file_sha256(path) != expected[name]:
             bad = name
             break
     damaged = [b for b in _gather(bad, None) if b is not None]
