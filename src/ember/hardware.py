@@ -41,6 +41,7 @@ efficiencies; all are per GPU and one direction:
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -217,3 +218,11 @@ def peak_flops(device_name: str) -> float | None:
     """Dense bf16 peak FLOP/s of the named device; None for CPUs and unknown GPUs."""
     gpu = find_gpu(device_name)
     return gpu.peak_bf16_flops if gpu is not None else None
+
+
+def machine_memory_gib() -> float:
+    """This machine's memory (8 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 8.0

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ember.atomic import write_text
 from ember.config import ConfigError
+from ember.hardware import machine_memory_gib
 from ember.process import end_process_group
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -204,13 +205,6 @@ def measure_p2p(sizes, device: torch.device, peer: int, min_time: float) -> list
 
 def _best_bus(rows: list[dict]) -> float:
     return max(row["busbw_gbps"] for row in rows)
-
-
-def machine_memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return 8.0
 
 
 def describe_device(device: torch.device, local_world: int, idle_bytes: int | None = None) -> tuple[object, dict]:
