@@ -1,6 +1,7 @@
 """Where `ember eval` writes: never over a run's own files or a user's, never half a setup's
 GLUE results mixed with another's, and every refusal before the first fine-tuning step."""
 
+import dataclasses
 import json
 import shutil
 
@@ -106,3 +107,20 @@ def test_a_diverged_fine_tuning_is_not_a_score(run, tmp_path):
         run_glue(run, glue, tasks="rte", seeds=1, progress=False, out=tmp_path / "r.json",
                  protocol=Protocol(lr=1e30))
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_diverged_task_keeps_the_scores_of_the_others(run, tmp_path, monkeypatch):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE", "CoLA"))
+    real = glue_module.fit_and_score
+
+    def rte_diverges(unit, *args, **kwargs):
+        if unit.task == "rte":
+            unit = dataclasses.replace(unit, protocol=Protocol(lr=1e30))
+        return real(unit, *args, **kwargs)
+
+    monkeypatch.setattr(glue_module, "fit_and_score", rte_diverges)
+    out = tmp_path / "r.json"
+    with pytest.raises(ConfigError, match=r"rte \(seed 0\) diverged.*the scores of cola are in"):
+        run_glue(run, glue, tasks="cola,rte", seeds=2, progress=False, out=out)
+    kept = json.loads(out.read_text())
+    assert list(kept["tasks"]) == ["cola"] and len(kept["tasks"]["cola"]["per_seed"]) == 2

@@ -155,15 +155,25 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
                     bars.progress.update(bar, description=f"{d.task.key} seed {unit.seed + 1}/{seeds}")
                     done[d.task.key].append(fit_and_score(
                         unit, run, lambda step, loss, bar=bar: bars.step(bar, step, loss), bars.lines))
+                    if "diverged" in done[d.task.key][-1]:
+                        break  # the task has no score; its other seeds would not give it one
+    diverged = [r for task in done.values() for r in task if "diverged" in r]
     found = {} if earlier is None else dict(earlier["tasks"])  # tasks run before and not again are kept
     for d, task in zip(data, units):
-        found[d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
+        if not any("diverged" in r for r in done[d.task.key]):
+            found[d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
     results["tasks"] = {key: found[key] for key in TASKS if key in found}
-    results["columns"] = column_scores(results["tasks"])
-    results["average"] = sum(results["columns"].values()) / len(results["columns"])
-    results["complete"] = list(results["columns"]) == list(COLUMNS)
-    write_text(target, json.dumps(results, indent=1))
-    results["path"] = str(target)
+    if results["tasks"]:
+        results["columns"] = column_scores(results["tasks"])
+        results["average"] = sum(results["columns"].values()) / len(results["columns"])
+        results["complete"] = list(results["columns"]) == list(COLUMNS)
+        write_text(target, json.dumps(results, indent=1))
+        results["path"] = str(target)
+    if diverged:
+        first = diverged[0]
+        kept = f" (the scores of {', '.join(results['tasks'])} are in {target})" if results["tasks"] else ""
+        raise ConfigError(f"fine-tuning {first['task']} (seed {first['seed']}) diverged: its last epoch's loss is "
+                          f"{first['diverged']}; try a lower --lr than {protocol.lr:g}{kept}.")
     return results
 
 

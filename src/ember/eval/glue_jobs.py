@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.config import ConfigError
 from ember.device import autocast_dtype
 from ember.eval.finetune import Classifier, Protocol, finetune, predict
 from ember.eval.metrics import compute
@@ -84,8 +83,9 @@ def fit_and_score(unit: Unit, run: Run | None = None, on_step=lambda step, loss:
                     device, amp_dtype, on_step=on_step, **({"on_epoch": on_epoch} if on_epoch else {}))
     if not math.isfinite(float(loss)):
         # A diverged model still predicts something; its score would be a number that means nothing.
-        raise ConfigError(f"fine-tuning {unit.task} (seed {unit.seed}) diverged: its last epoch's loss is "
-                          f"{float(loss)}; try a lower --lr than {p.lr:g}.")
+        # The caller names it once every other run has finished, so their results are kept.
+        return {"task": unit.task, "seed": unit.seed, "diverged": float(loss),
+                "seconds": time.perf_counter() - started}
     scores = {column: compute(unit.metrics, predict(model, rows, regression, p, device, amp_dtype), labels)
               for column, (rows, labels) in unit.dev.items()}
     return {"task": unit.task, "seed": unit.seed, "metrics": scores, "seconds": time.perf_counter() - started}
