@@ -102,7 +102,7 @@ def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     (["--grad-dtype", "fp8"], "--grad-dtype must be one of"),
     (["--profile", "/nonexistent/profile.json"], "does not exist"),
     (["--profile", "/"], "cannot be read"),
-    (["--save-profile", "/nonexistent/dir/profile.json"], "cannot write the profile"),
+    (["--save-profile", "/dev/null/profile.json"], "cannot write the profile"),
     (["--seq-len", "0"], "--seq-len and --global-batch must be at least 1"),
     (["--top", "-1"], "--top must be at least 1"),
     (["--layout", "pp=4,stage_layers=24-24-24-24"], "stage_layers must be layer counts joined by '/'"),
@@ -112,6 +112,9 @@ def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     (["--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
     (["--stack", "deepspeed", "--layout", "tp=8,pp=16,dp=8,zero=2,mbs=1"], "refuses ZeRO-2 and 3 beside pipeline"),
     (["--model", str(REPO / "configs")], "is a folder"),
+    (["--layout", "tp=1,sp=1,pp=8,dp=128"], "needs parallel.tp > 1"),  # was dropped without a word
+    (["--layout", "zero=-1"], "zero must be 0, 1, 2 or 3"),
+    (["--intra-bw", "1e-300"], "0.001 or more"),  # was an OverflowError
 ])
 def test_mistakes_get_one_sentence_and_status_2(args, words, capsys):
     argv = list(BASE)
@@ -136,6 +139,8 @@ def test_mistakes_get_one_sentence_and_status_2(args, words, capsys):
     ({"gpu": {"name": "H100"}, "stack": {"kernel_eff": 0}}, "stack.kernel_eff must be above 0"),
     ({"gpu": {"name": "H100"}, "stack": {"host_s_per_kernel": -1e-6}}, "host_s_per_kernel = -1e-06 must be a finite number >= 0"),
     ({"gpu": {"name": "H100"}, "links": []}, "links must be a table of settings"),
+    ({"gpu": {"name": "H100"}, "stack": {"name": "Ember"}}, "stack.name must be one of ember, "),
+    ({"gpu": {"name": "H100", "peak_bf16_flops": 1e-300}}, "price a step"),  # was a table of nan
 ])
 def test_a_bad_profile_is_one_sentence(profile, words, tmp_path, capsys):
     bad = tmp_path / "bad.json"

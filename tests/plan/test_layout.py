@@ -18,7 +18,7 @@ def test_parse_full_form():
     assert lo == Layout(tp=8, pp=12, dp_shard=4, dp_replicate=1, zero=1, micro_batch=1, recompute="full")
     lo = parse_layout("tp=2, sp=1, pp=4, vpp=2, dp=8, zero=3, dp_shard=4", 64)
     assert (lo.sp, lo.schedule, lo.dp_shard, lo.dp_replicate) == (True, "interleaved", 4, 2)
-    assert parse_layout("tp=1,sp=1", 8).sp is False  # sequence parallelism needs tensor parallelism
+    assert parse_layout("tp=1,sp=1", 8).sp is True  # kept, so the layout rules refuse it (it needs tp > 1)
     assert parse_layout("tp=2", 16).dp == 8  # dp defaults to what is left
     assert parse_layout("dp=8", 8).dp_replicate == 8  # zero 0 replicates
 

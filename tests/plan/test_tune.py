@@ -159,10 +159,15 @@ def test_best_recipe_is_the_recipe_with_the_layout(recipe):
     (["RECIPE", "--nproc", "1", "--set", "train.micro_batch=4"], "ember tune chooses train.micro_batch"),
     # What every trial would refuse is refused once, before any runs.
     (["RECIPE", "--nproc", "1", "--set", "data.document_mask=true"], "needs document boundaries"),
+    (["RECIPE", "--nproc", "1", "--timeout", "nan"], "--timeout a positive, finite number"),  # was no timeout
+    (["RECIPE", "--nproc", "1", "--profile", "MEGATRON"], "ember tune measures ember's trainer"),
 ])
 def test_mistakes_are_one_sentence_and_exit_2(args, words, recipe, dataset, tmp_path, capsys):
     small = _profile(tmp_path, memory_gib=0.5)  # less than the runtime's own GiB
-    args = [str(recipe) if a == "RECIPE" else str(small) if a == "SMALL" else a for a in args]
+    megatron = tmp_path / "megatron.json"
+    megatron.write_text(json.dumps(json.loads(_profile(tmp_path).read_text()) | {"stack": {"name": "megatron"}}))
+    named = {"RECIPE": recipe, "SMALL": small, "MEGATRON": megatron}
+    args = [str(named.get(a, a)) for a in args]
     if "--profile" not in args:
         args += ["--profile", str(_profile(tmp_path))]
     assert main(["tune", args[0], "--data", str(dataset), "--out", str(tmp_path / "t")] + args[1:]) == 2
@@ -303,3 +308,20 @@ def test_given_layouts_are_tried_instead_of_the_planners_top(recipe, dataset, tm
     assert main(base + ["--layout", given[0], "--layout", "tp=2,dp=1,mbs=3", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "cannot train this recipe on 2 processes" in err and err.count("\n") == 1
+
+
+def test_a_given_layouts_rank_is_the_planners_among_every_layout(recipe, dataset, tmp_path):
+    from ember.cli import build_parser
+    from ember.tune.command import plan_trials
+
+    profile = _profile(tmp_path)
+    ranked, _ = _ranked(recipe, profile, 1)
+    order = [p.layout.text() for p in ranked]
+    late = [ranked[-1].layout, ranked[len(ranked) // 2].layout]
+    given = [f"mbs={lo.micro_batch},recompute={lo.recompute},recompute_every={lo.recompute_every}" for lo in late]
+    args = build_parser().parse_args(["tune", str(recipe), "--data", str(dataset), "--nproc", "1", "--profile",
+                                      str(profile), "--out", str(tmp_path / "t")]
+                                     + [x for text in given for x in ("--layout", text)])
+    trials = plan_trials(args)[5]
+    assert sorted(t.planner_rank for t in trials) == sorted(order.index(lo.text()) + 1 for lo in late)
+    assert min(t.planner_rank for t in trials) > 2  # not their places among the two given

@@ -336,9 +336,10 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         raise ConfigError(f"--dtype must be bf16, fp16 or fp32, not {dtype!r}.")
     # Run alone, the node is every GPU here (one profile serves `ember plan --gpus 8`).
     per_node = local_world if world > 1 else (torch.cuda.device_count() if device.type == "cuda" else 1)
-    gpus = model_plan[1] if model_plan is not None else None
-    if gpus is not None and gpus > per_node and gpus % per_node:
-        raise ConfigError(f"--gpus {gpus} does not fill whole nodes of {per_node}; use a multiple of {per_node}.")
+    if model_plan is not None:  # a model with no layout here is refused before anything is measured
+        from ember.plan.kernels import check_model_plan
+
+        check_model_plan(model_plan, per_node)
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -387,7 +388,9 @@ def summary_lines(profile: dict) -> list[str]:
     if profile.get("matmuls"):
         mm = profile["matmuls"]
         lines.append(f"{len(mm['times'])} matmul shapes of {mm['model']} (sequence {mm['seq_len']}, global batch "
-                     f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them")
+                     f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them"
+                     + ("" if mm["times"] else "; none is short enough to time here (under 20 ms by the matmul "
+                        "model), so its matmul model prices them all"))
     for where in ("intra", "inter"):
         if where in m:
             parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]

@@ -182,7 +182,9 @@ class Cluster:
 
     @property
     def gpus_per_node(self) -> int:
-        return self.links.gpus_per_node
+        """GPUs of the job on one node; the profile's node size stays in `links`, so a profile
+        saved for a few GPUs still describes the whole node."""
+        return min(self.links.gpus_per_node, self.n_gpus)
 
     @property
     def nodes(self) -> int:
@@ -289,6 +291,10 @@ def _check_profile(gpu: GPU, links: Links, stack: Stack, path: Path) -> None:
         if getattr(gpu, name) > 1:  # a share of the datasheet peak, which nothing beats
             raise ConfigError(f"profile file {path}: gpu.{name} is a share of gpu.{peak} and at most 1, not "
                               f"{getattr(gpu, name)!r}; raise gpu.{peak} instead if the datasheet is wrong.")
+    from ember.plan.stacks import STACKS
+
+    if stack.name not in STACKS:
+        raise ConfigError(f"profile file {path}: stack.name must be one of {', '.join(STACKS)}, not {stack.name!r}.")
     for name, choices in STACK_CHOICES.items():
         if getattr(stack, name) not in choices:
             raise ConfigError(f"profile file {path}: stack.{name} must be one of {', '.join(choices)}, "
@@ -316,19 +322,27 @@ def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
         raise ConfigError(f"--gpus must be at least 1, not {n_gpus}.")
     if links.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node must be at least 1, not {links.gpus_per_node}.")
-    if not all(math.isfinite(bw) and bw > 0 for bw in (links.intra_gbps, links.inter_gbps)):
-        raise ConfigError(f"link bandwidths must be positive numbers of GB/s, not {links.intra_gbps:g} in a node "
+    if not all(math.isfinite(bw) and bw >= 1e-3 for bw in (links.intra_gbps, links.inter_gbps)):
+        # 1 MB/s: below it no step finishes (and the time model's sums overflow)
+        raise ConfigError(f"link bandwidths must be positive numbers of GB/s, 0.001 or more, not "
+                          f"{links.intra_gbps:g} in a node "
                           f"(--intra-bw) and {links.inter_gbps:g} between nodes (--inter-bw).")
     if n_gpus > links.gpus_per_node and n_gpus % links.gpus_per_node:
         raise ConfigError(f"--gpus {n_gpus} does not fill whole nodes of {links.gpus_per_node}; "
                           "use a multiple of --gpus-per-node.")
-    if n_gpus < links.gpus_per_node:
-        links = dataclasses.replace(links, gpus_per_node=n_gpus)
     return Cluster(base_gpu, n_gpus, links, stack or base_stack, source)
 
 
-def write_profile(cluster: Cluster, path: str | Path) -> None:
+def write_profile(cluster: Cluster, path: str | Path, source: str | Path | None = None) -> None:
+    """The cluster as a profile file; the raw measurements of the profile it came from
+    (`source`) are carried over, as `ember plan calibrate` wrote them."""
+    out = cluster.profile()
+    if source is not None:
+        measured = json.loads(Path(source).read_text()).get("measured")
+        if measured is not None:
+            out["measured"] = measured
     try:
-        write_text(Path(path), json.dumps(cluster.profile(), indent=2) + "\n")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `ember plan calibrate --out` does
+        write_text(Path(path), json.dumps(out, indent=2) + "\n")
     except OSError as err:
         raise ConfigError(f"cannot write the profile to {path} ({err.strerror}).") from None

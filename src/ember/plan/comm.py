@@ -123,6 +123,7 @@ def p2p_s(nbytes: float, pp: Group, links: Links) -> float:
     so if any boundary crosses nodes, all are charged the network (one NIC per GPU)."""
     if pp.size <= 1 or nbytes <= 0:
         return 0.0
-    if pp.crosses_nodes:
-        return links.inter_latency_s + nbytes / (links.inter_gbps * 1e9 * links.inter_eff)
-    return links.intra_latency_s + nbytes / (links.intra_gbps * 1e9 * links.intra_eff)
+    intra = links.intra_latency_s + nbytes / (links.intra_gbps * 1e9 * links.intra_eff)
+    if pp.crosses_nodes:  # the other boundaries stay inside a node, and a slow one sets the pace too
+        return max(intra, links.inter_latency_s + nbytes / (links.inter_gbps * 1e9 * links.inter_eff))
+    return intra

@@ -121,10 +121,9 @@ def _setup(args):
 
         cluster = replace(cluster, stack=stack(args.stack.lower()))
     cluster = replace(cluster, stack=_stack(args, cluster.stack))
-    if args.save_profile:
-        write_profile(cluster, args.save_profile)
     if args.model is None:
         if args.save_profile:
+            write_profile(cluster, args.save_profile, args.profile)
             return None
         raise ConfigError("say which model to plan with --model (a recipe .toml or a preset such as llama3-8b).")
     _check_overrides(args.set)
@@ -142,6 +141,7 @@ def _setup(args):
     if args.precision is None:  # what `ember train` would compute in there
         asked = config.train.precision if config is not None else "auto"
         args.precision = asked if asked != "auto" else "fp32" if device_type == "cpu" else "bf16"
+    args.precision = args.precision.lower()
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
     if args.precision == "fp8" and cluster.stack.name == "ember":
@@ -158,6 +158,8 @@ def _setup(args):
         raise ConfigError("give the global batch in sequences with --global-batch.")
     if seq < 1 or args.global_batch < 1:
         raise ConfigError("--seq-len and --global-batch must be at least 1.")
+    if args.save_profile:  # only once every input is known good: a refused command leaves the file alone
+        write_profile(cluster, args.save_profile, args.profile)
     return model, recipe, cluster, TrainShape(seq, args.global_batch, args.precision)
 
 
@@ -186,11 +188,13 @@ def run_plan(args) -> int:
                 raise ConfigError(f"layout {layout.text()} cannot run: {refusal}.")
         ranked = rank(model, cluster, shape, layouts)
         p = ranked[0]  # the fastest that fits, if any does
-        command = _command(p, model, recipe, cluster, shape, args.set) if p.fits else None
-        notes = (report.command_notes(model, recipe, p.layout, shape) if command else [])
+        # A train command only for what ember's trainer runs; the notes say why there is none.
+        trainable = p.fits and not problems(p.layout, model, shape.global_batch, cluster.n_gpus, ember=True)
+        command = _command(p, model, recipe, cluster, shape, args.set) if trainable else None
+        notes = report.command_notes(model, recipe, p.layout, shape) if p.fits else []
         if not p.fits:
-            which = "the layout" if len(layouts) == 1 else "none of the layouts"
-            notes.append(f"{which} fits in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
+            which = "the layout does not fit" if len(layouts) == 1 else "none of the layouts fits"
+            notes.append(f"{which} in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
                          "so no train command is given.")
         notes += report.interval_notes(ranked)
         if args.json:
@@ -205,7 +209,9 @@ def run_plan(args) -> int:
             return 0
         report.print_text(console, report.header(model, cluster, shape))
         if len(layouts) > 1:
-            report.print_text(console, f"{len(layouts)} layouts given; fastest first")
+            unfit = sum(not q.fits for q in ranked)
+            report.print_text(console, f"{len(layouts)} layouts given; fastest first" + (
+                f", then the {unfit} that do not fit" if 0 < unfit < len(ranked) else ""))
         console.print(report.table(ranked))
         lead = "\n" if len(layouts) == 1 else "\ntrain with the fastest of them:\n"
         report.print_text(console, report.memory_line(p) + (lead + command if command else ""))
@@ -279,7 +285,7 @@ def _model_plan(args) -> tuple | None:
     model, _ = resolve_model(args.model)
     if args.global_batch is None:
         raise ConfigError("with --model, say the global batch (sequences per step) with --global-batch.")
-    seq = args.seq_len or model.max_seq_len
+    seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     for flag, value in (("--gpus", args.gpus), ("--seq-len", seq), ("--global-batch", args.global_batch)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, not {value}.")

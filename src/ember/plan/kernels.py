@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ember.atomic import write_text
+from ember.config import ConfigError
 from ember.hardware import MatmulTimes
 from ember.plan.layout import TrainShape
-from ember.plan.search import rank, search
+from ember.plan.search import rank, runnable, search
 from ember.plan.timing import matmul_s
 
 
@@ -85,6 +86,20 @@ def time_matmuls(shapes, device: torch.device, dtype: torch.dtype, timer) -> lis
         finally:
             a = b = None
     return rows
+
+
+def check_model_plan(model_plan: tuple, per_node: int) -> None:
+    """What `add_model_matmuls` would refuse after the measurements, refused before them:
+    GPUs that do not fill whole nodes, or a model and batch with no layout on them."""
+    from ember.hardware import GPU
+    from ember.plan.cluster import Cluster
+    from ember.plan.comm import Links
+
+    model, gpus, shape = model_plan
+    if gpus is not None and gpus > per_node and gpus % per_node:
+        raise ConfigError(f"--gpus {gpus} does not fill whole nodes of {per_node}; use a multiple of {per_node}.")
+    sizes_only = Cluster(GPU("any", 1.0, 1.0, "$^"), gpus or per_node, Links(per_node, 1.0, 1.0))
+    runnable(model, sizes_only, shape)
 
 
 def add_model_matmuls(out: Path, profile: dict | None, model_plan: tuple, per_node: int, device: torch.device,

@@ -70,6 +70,8 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     ints = {}
     for key in _INT_KEYS:
         if key in values:
+            if key == "zero" and not values[key].isdigit():
+                raise ConfigError(f"--layout zero must be 0, 1, 2 or 3, not {values[key]!r}.")
             if not values[key].isdigit() or (int(values[key]) < 1 and key != "zero"):
                 raise ConfigError(f"--layout {key} must be a positive whole number, not {values[key]!r}.")
             ints[key] = int(values[key])
@@ -102,7 +104,7 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
         raise ConfigError(f"--layout stage_layers must be layer counts joined by '/', e.g. 6/6/6/4, not {split!r}.")
     schedule = values.get("schedule", "interleaved" if vpp > 1 else "1f1b")
     return Layout(tp=tp, pp=pp, dp_shard=shard, dp_replicate=replicate, zero=zero,
-                  sp=values.get("sp", "0") in _TRUE and tp > 1, vpp=vpp, schedule=schedule,
+                  sp=values.get("sp", "0") in _TRUE, vpp=vpp, schedule=schedule,
                   micro_batch=ints.get("mbs", 1), recompute=values.get("recompute", "none"),
                   recompute_every=ints.get("recompute_every", 1),
                   stage_layers=tuple(int(n) for n in split.split("/")) if split else (), cp=cp)

@@ -194,6 +194,8 @@ def fp8_saved_per_token(model, layout: Layout, stack: Stack = MEGATRON) -> float
 def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
     """Micro-batches' worth of the stage's layers holding activations at the peak."""
     p, v, m = layout.pp, layout.vpp, micro_batches
+    if p == 1:  # no pipeline: accumulation runs one micro-batch at a time whatever the schedule says
+        return 1
     if layout.schedule == "gpipe":
         return m
     if layout.schedule == "interleaved":

@@ -213,8 +213,8 @@ def _as_run(work: Work, kernels: float, stack, extra_host_s: float = 0.0) -> tup
         return work + Work(launch=host), 1.0
     if host <= 0 or device <= 0:
         return work + Work(launch=max(0.0, host - device)), 1.0
-    p = HOST_OVERLAP_POWER
-    run = (host**p + device**p) ** (1 / p)
+    p, big = HOST_OVERLAP_POWER, max(host, device)  # scaled, so absurd rates do not overflow
+    run = big * ((host / big) ** p + (device / big) ** p) ** (1 / p)
     return work + Work(launch=run - device), run / max(host, device)
 
 
@@ -317,6 +317,9 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     slowest = max(times, key=times.get)
     t_max, mean = times[slowest], sum(every_stage) / lo.pp
     step = pipeline + dp_exposed + optimizer
+    if not (math.isfinite(step) and step > 0):
+        raise ConfigError(f"the cluster's rates price a step of {lo.text()} at {step} s; check the profile's or "
+                          "--intra-bw/--inter-bw's numbers and units (docs/planner.md).")
 
     work, zero3 = parts[slowest]
     crossover = passes[slowest][2]

@@ -105,7 +105,7 @@ def ties(ranked: list[Prediction]) -> int:
     the planner cannot order them, a measurement can."""
     if not ranked or not ranked[0].interval:
         return len(ranked[:1])
-    return 1 + sum(overlaps(ranked[0].interval, p.interval) for p in ranked[1:])
+    return 1 + sum(p.fits and overlaps(ranked[0].interval, p.interval) for p in ranked[1:])
 
 
 def interval_notes(ranked: list[Prediction]) -> list[str]:
@@ -153,7 +153,9 @@ def explain(best: Prediction, others: list[Prediction], too_big: Prediction | No
     for other in others:
         theirs = _seconds(other)
         gap = other.step_time_s / best.step_time_s - 1
-        lines.append(f"vs {other.layout.text()} ({100 * gap:+.1f}% slower, {other.memory.total / GIB:.1f} GiB):")
+        pace = f"{100 * gap:.1f}% slower" if gap >= 0 else f"{-100 * gap:.1f}% faster"
+        room = "" if other.fits else f" of {other.memory.capacity / GIB:.0f}: does not fit"
+        lines.append(f"vs {other.layout.text()} ({pace}, {other.memory.total / GIB:.1f} GiB{room}):")
         deltas = sorted(((theirs[k] - mine[k], k) for k in mine), key=lambda d: -abs(d[0]))
         if abs(deltas[0][0]) < 0.002 * best.step_time_s:
             saved = (other.memory.total - best.memory.total) / GIB

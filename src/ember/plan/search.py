@@ -30,6 +30,21 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     """Rank every layout of `model` on `cluster` at `shape`; `fixed` pins layout fields;
     `ember_only=False` also ranks layouts only other frameworks run (published runs)."""
     start = time.perf_counter()
+    layouts = runnable(model, cluster, shape, fixed, max_mbs, ember_only)
+    fits, too_big = [], []
+    for layout in layouts:
+        prediction = predict(model, cluster, shape, layout)
+        (fits if prediction.fits else too_big).append(prediction)
+    fits.sort(key=_rank_key)
+    too_big.sort(key=_rank_key)
+    return SearchResult(fits, too_big, len(layouts), time.perf_counter() - start)
+
+
+def runnable(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None, max_mbs: int = 256,
+             ember_only: bool = True) -> list[Layout]:
+    """The layouts a search prices: their degrees divide the GPUs, heads and batch, and the
+    stack runs them; none is one sentence saying why. It needs only the cluster's sizes and
+    stack, so a calibration checks it before it measures anything."""
     layouts = [lo for lo in candidates(model, cluster.n_gpus, cluster.gpus_per_node, shape, max_mbs=max_mbs,
                                        fixed=fixed, ember_only=ember_only)
                if cluster.stack.refusal(lo) is None and not _runs_as_zero1(lo, cluster.stack, fixed)]
@@ -42,13 +57,7 @@ def search(model, cluster: Cluster, shape: TrainShape, fixed: dict | None = None
     if not layouts:
         raise ConfigError(f"no layout of {model.name} divides evenly over {cluster.n_gpus} GPUs at a global "
                           f"batch of {shape.global_batch}; try a global batch that is a multiple of the GPU count.")
-    fits, too_big = [], []
-    for layout in layouts:
-        prediction = predict(model, cluster, shape, layout)
-        (fits if prediction.fits else too_big).append(prediction)
-    fits.sort(key=_rank_key)
-    too_big.sort(key=_rank_key)
-    return SearchResult(fits, too_big, len(layouts), time.perf_counter() - start)
+    return layouts
 
 
 def _runs_as_zero1(lo: Layout, stack, fixed: dict | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import signal
 from dataclasses import replace
@@ -49,8 +50,8 @@ def _check_args(args) -> None:
     for name in ("nproc", "top", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, not {getattr(args, name)}.")
-    if args.warmup < 0 or args.timeout <= 0:
-        raise ConfigError("--warmup must be 0 or more and --timeout positive.")
+    if args.warmup < 0 or not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise ConfigError("--warmup must be 0 or more and --timeout a positive, finite number of seconds.")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never a folder with anything in it
         raise ConfigError(f"--out {out} already exists and is not an empty folder; choose a new one.")
@@ -84,6 +85,9 @@ def plan_trials(args):
     check_data_fits(config, manifest)  # what every trial would refuse, refused once, before any runs
     config = resolve(config, manifest)
     cluster = local_cluster(args.nproc, args.profile)
+    if cluster.stack.name != "ember":  # the trials run ember's trainer, so its predictions must price it
+        raise ConfigError(f"--profile {args.profile} prices --stack {cluster.stack.name}; ember tune measures "
+                          "ember's trainer, so give it a profile whose stack.name is ember.")
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     cluster = replace(cluster, stack=run_stack(cluster.stack, config, device_type))  # as the trials will run
     model, shape = plan_inputs(config, manifest, Path(args.config).stem)
@@ -105,13 +109,13 @@ def plan_trials(args):
                           f"(e.g. {result.ranked[0].layout.text()}); check its [parallel]-related settings.")
     out = Path(args.out)
     trials = []
-    planner_rank = {id(p): i for i, p in enumerate(result.ranked, 1)}
+    planner_rank = {p.layout: i for i, p in enumerate(result.ranked, 1)}  # a given layout is predicted anew
     for i, prediction in enumerate(chosen, 1):
         run_dir = out / f"trial-{i}"
         settings = prediction.layout.settings(shape.global_batch)
         command = trial_command(args.config, args.data, run_dir, args.nproc, args.steps, settings, args.set)
         trials.append(Trial(i, prediction, command, run_dir, settings,
-                            planner_rank=planner_rank.get(id(prediction), i)))
+                            planner_rank=planner_rank.get(prediction.layout)))
     return config, cluster, model, shape, result, trials, passed, close
 
 
@@ -219,6 +223,6 @@ def table(trials, finished, n_gpus: int) -> Table:
                                                         + (" rss" if t.memory_source == "rss" else ""))
         status = "ok" if t.status == "finished" else f"failed: {t.reason}"
         out.add_row(str(t.index), p.layout.text(), f"{predicted:,.0f}", measured, ratio,
-                    f"{t.predicted_memory_gib:.2f}", memory, str(t.planner_rank),
+                    f"{t.predicted_memory_gib:.2f}", memory, str(t.planner_rank or "-"),
                     str(measured_rank.get(t.index, "-")), status)
     return out

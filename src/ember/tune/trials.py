@@ -212,7 +212,7 @@ class Trial:
     command: list[str]
     run_dir: Path
     settings: dict  # the layout's --set keys
-    planner_rank: int = 0  # its place in the planner's ranking of every fitting layout
+    planner_rank: int | None = None  # its place in the planner's ranking of every fitting layout (None: does not fit)
     status: str = "pending"  # finished, failed, not run
     reason: str = ""
     tokens_per_s: float | None = None
