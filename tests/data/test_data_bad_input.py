@@ -7,6 +7,7 @@ from pathlib import Path
 import ember.data.packing as packing
 from ember.cli import main
 from ember.data import load_manifest, prepare
+from ember.data.resume import STARTED
 
 ARGS = dict(tokenizer="bpe", vocab_size=300, seq_len=16, val_fraction=0.1, progress=False)
 
@@ -49,6 +50,7 @@ def test_a_tokenizer_that_does_not_match_unfinished_shards(tmp_path, monkeypatch
     other.write_bytes((tmp_path / "second" / "tokenizer.json").read_bytes())
     out = tmp_path / "first"
     (out / "manifest.json").unlink()  # as if that preparation had been interrupted
+    (out / STARTED).touch()
     before = _snapshot(out)
     code = main(["data", "prepare", str(src), "--out", str(out), "--tokenizer", str(other), "--seq-len", "16",
                  "--quiet", "--workers", "0"])

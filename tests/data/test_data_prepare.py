@@ -144,7 +144,7 @@ def test_wordpiece_and_a_given_tokenizer_file(prepared, synthetic, tmp_path):
 
 
 def test_wide_vocabularies_use_uint32(tmp_path):
-    assert token_dtype(65535) == "uint16" and token_dtype(65536) == "uint32"
+    assert token_dtype(65536) == "uint16" and token_dtype(65537) == "uint32"  # ids 0 .. 65535 fit in 16 bits
     writer = SplitWriter(tmp_path, "train", seq_len=4, dtype=token_dtype(100_000), sep_id=0, shard_sequences=10)
     writer.add([[70_000, 99_999, 5], [1, 2, 3, 4]])
     info = writer.finish()
@@ -172,8 +172,12 @@ def test_text_too_short_for_seq_len(tmp_path):
 
 
 def test_inputs_without_documents(tmp_path):
-    (tmp_path / "rows.jsonl").write_text('{"body": "wrong field"}\nnot json\n')
-    with pytest.raises(DataError, match="no documents .1 rows were not JSON, 1 had no text field"):
+    (tmp_path / "rows.jsonl").write_text('{"body": "x", "text": 5}\nnot json\n')
+    with pytest.raises(DataError, match="no documents .1 rows were not JSON, 1 had no text field, 0 were longer"):
+        prepare([tmp_path / "rows.jsonl"], tmp_path / "out", vocab_size=256, progress=False)
+    # A field that none of the first rows has is refused before either pass reads the corpus.
+    (tmp_path / "rows.jsonl").write_text('{"body": "wrong field"}\nnot json\n' * 1000)
+    with pytest.raises(DataError, match="the first rows of .* have no field 'text' .they have body."):
         prepare([tmp_path / "rows.jsonl"], tmp_path / "out", vocab_size=256, progress=False)
 
 

@@ -39,6 +39,8 @@ class DedupConfig:
             raise DataError(f"[dedup] threshold {config.threshold} must lie in (0, 1); 0.8 is typical.")
         if config.num_perm < 16 or config.shingle < 1:
             raise DataError("[dedup] needs num_perm >= 16 and shingle >= 1.")
+        if not 0 <= config.seed < 2**32:  # MinHash's permutations are drawn from a numpy seed
+            raise DataError(f"[dedup] seed {config.seed} must lie in 0 .. 2**32 - 1.")
         if config.near:
             _datasketch()
         return config

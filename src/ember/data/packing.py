@@ -30,7 +30,7 @@ from ember.atomic import write_atomic
 
 def token_dtype(vocab_size: int) -> str:
     """The narrowest unsigned type that holds every id of the vocabulary."""
-    return "uint16" if vocab_size <= 65535 else "uint32"
+    return "uint16" if vocab_size <= 65536 else "uint32"  # ids 0 .. 65535
 
 
 def shard_name(split: str, index: int) -> str:

@@ -18,9 +18,11 @@ corpus's held-out set is not biased towards its first documents.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import itertools
 import json
+import os
 import re
 import shutil
 from datetime import datetime, timezone
@@ -35,9 +37,10 @@ from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
-from ember.data.resume import STATE_FILE, clear_state, fingerprint, load_state, save_state, written_files
+from ember.data.resume import STARTED, STATE_FILE, clear_state, fingerprint, load_state, save_state, written_files
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
-from ember.data.sources import MAX_DOCUMENT_BYTES, new_counts
+from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, new_counts
+from ember.data.sources import _open as open_input
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
                                   train_tokenizer)
 
@@ -78,19 +81,86 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
     check_sources(sources, stopping)  # raises DataError for missing inputs or folders without text
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir} is a file; choose a folder.")
-    for source in sources:  # a folder input is searched again while the output grows in it
+    for source in sources:  # a folder or pattern is searched again while the output grows in it
         folder = Path(source.path)
         if folder.is_dir() and out_dir.resolve().is_relative_to(folder.resolve()):
             raise DataError(f"--out {out_dir} lies inside the input folder {folder}, whose files are read as text; "
                             "put the output elsewhere.")
+        if any(_glob_matches(source.path, out_dir / name) for name in (TOKENIZER_FILE, MANIFEST)):
+            raise DataError(f"the pattern {source.path} would read {out_dir}'s own {TOKENIZER_FILE} as text; "
+                            "put the output elsewhere.")
     if (out_dir / MANIFEST).exists():
         raise DataError(f"{out_dir} already holds prepared data; choose another --out or delete it.")
-    names = [p.name for p in out_dir.iterdir() if not p.name.startswith(".")] if out_dir.is_dir() else []
-    others = sorted(n for n in names if not _LEFTOVER.match(n) and n != STATE_FILE)
-    started = any(n == STATE_FILE or n.endswith(".npy") for n in names)  # an interrupted preparation
-    if others and not started:  # a run directory, someone's notes: its tokenizer.json would be replaced
+    names = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith(".")) if out_dir.is_dir() else []
+    if names and not (out_dir / STARTED).is_file():  # only an interrupted preparation's folder is continued
+        # A run directory, someone's shards or tokenizer: they would be replaced.
+        others = [n for n in names if not _LEFTOVER.match(n) and n != STATE_FILE] or names
         raise DataError(f"--out {out_dir} holds files that are not a preparation's ({', '.join(others[:3])}); "
                         "give a new or empty folder.")
+
+
+def _glob_matches(pattern: str, path: Path) -> bool:
+    """Whether glob.glob(pattern, recursive=True) would list `path` ("**" spans folders)."""
+    if not set("*?[") & set(pattern):
+        return False
+    want = Path(os.path.abspath(pattern)).parts
+    have = Path(os.path.abspath(path)).parts
+
+    def match(i: int, j: int) -> bool:
+        if i == len(want):
+            return j == len(have)
+        if want[i] == "**":
+            return any(match(i + 1, k) for k in range(j, len(have) + 1))
+        return j < len(have) and fnmatch.fnmatchcase(have[j], want[i]) and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def check_text_field(sources: list[Source], text_field: str, rows: int = 100) -> None:
+    """A text field that none of the first rows of a source's first JSON Lines file holds is
+    refused now, not after both passes have read the whole corpus for nothing."""
+    for source in sources:
+        field = source.text_field or text_field
+        first = next((f for f in input_files([source.path]) if isinstance(f, Path) and f.is_file()
+                      and file_format(f)[0] in (".jsonl", ".json") and f.stat().st_size), None)
+        if first is None:
+            continue
+        keys: set[str] = set()
+        with open_input(first, file_format(first)[1]) as handle:
+            for line in itertools.islice((line for line in handle if line.strip()), rows):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # damaged rows are counted by the passes, not judged here
+                if isinstance(row, dict):
+                    if field in row:
+                        break
+                    keys |= set(row)
+            else:
+                if keys:
+                    raise DataError(f"the first rows of {first} have no field {field!r} (they have "
+                                    f"{', '.join(sorted(keys)[:8])}); pass --text-field with the text's field.")
+
+
+def input_identity(sources: list[Source]) -> list[list]:
+    """Every input file by path, size and modification time, in reading order (dataset names
+    as given); a file that two sources, or a folder and a file, both name is refused: it
+    would be read twice, and each of its held-out documents would have a twin in train."""
+    seen: dict[Path, str] = {}
+    out = []
+    for source in sources:
+        for item in input_files([source.path]):
+            if isinstance(item, str):
+                out.append([item])
+                continue
+            path = item.resolve()
+            if path in seen:
+                raise DataError(f"{item} is an input twice (by {seen[path]} and by {source.path}); name each "
+                                "file once, or give it a larger weight.")
+            seen[path] = source.path
+            stat = path.stat()
+            out.append([str(path), stat.st_size, stat.st_mtime_ns])
+    return out
 
 
 def remove_leftovers(out_dir: Path, keep: set[str] = frozenset()) -> None:
@@ -146,11 +216,14 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
     if not isinstance(tokenizer_documents, int) or tokenizer_documents < 0:
         raise DataError(f"tokenizer_documents {tokenizer_documents!r} must be a whole number >= 0 (0: all).")
+    check_text_field(sources, text_field)
 
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
-    key = fingerprint({"sources": [s.describe() for s in sources], "tokenizer": tokenizer,
+    # The files themselves (path, size, modification time): a changed or added input starts over.
+    key = fingerprint({"sources": [s.describe() for s in sources], "files": input_identity(sources),
+                       "tokenizer": tokenizer,
                        "tokenizer_file": _sha256(Path(tokenizer).read_text(encoding="utf-8", errors="replace"))
                        if tokenizer not in KINDS and Path(tokenizer).is_file() else None,
                        "vocab_size": vocab_size, "seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
@@ -182,6 +255,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     fresh = not existed or not any(out_dir.iterdir())  # then a refusal leaves nothing behind
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / STARTED).touch()  # before anything else: what is in here from now on is this command's
         remove_leftovers(out_dir, keep={TOKENIZER_FILE} | (written_files(state) if state else set()))
         if state is None:
             clear_state(out_dir)
@@ -208,7 +282,9 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         counts = _total_counts(sources)
         if counts["documents"] == 0:
             raise DataError(f"the inputs hold no documents ({counts['not_json']} rows were not JSON, "
-                            f"{counts['no_text_field']} had no text field); check the files and their format.")
+                            f"{counts['no_text_field']} had no text field, {counts['too_long']} were longer than "
+                            f"max_document_bytes ({max_document_bytes:,}), {counts['empty_files']} files were "
+                            "empty); check the files and their format.")
         if result.splits["train"]["sequences"] == 0:
             raise DataError(f"the text is too short for seq_len {seq_len}: it gives no full training "
                             "sequence; add more text or lower --seq-len.")
@@ -250,6 +326,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         }
         write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         clear_state(out_dir)
+        (out_dir / STARTED).unlink(missing_ok=True)
     except DataError:
         if fresh and not (out_dir / STATE_FILE).exists():  # no completed shard to continue from
             for made in (out_dir.iterdir() if existed else [out_dir]):

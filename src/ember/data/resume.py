@@ -27,6 +27,8 @@ from typing import Any
 from ember.atomic import write_atomic
 
 STATE_FILE = "resume.pkl"
+# Made first in --out: a folder holding it is an unfinished preparation this command may continue.
+STARTED = ".ember-prepare-started"
 STATE_VERSION = 1
 
 

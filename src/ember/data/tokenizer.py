@@ -7,6 +7,7 @@ document itself, so the shards hold exactly the tokens the model sees.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -67,7 +68,22 @@ def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int,
     tok, trainer = (_wordpiece if kind == "wordpiece" else _bpe)(vocab_size, show_progress)
     with _stdout_to_stderr() if show_progress else contextlib.nullcontext():
         tok.train_from_iterator(documents, trainer=trainer)
-    return tok
+    return _fixed_ids(tok) if kind == "wordpiece" else tok
+
+
+def _fixed_ids(tok: Tokenizer) -> Tokenizer:
+    """WordPiece numbered in a fixed order: its trainer numbers the characters it starts
+    from in hash-map order, which changes from process to process, and with them every
+    shard. A WordPiece model looks tokens up by their text, so ids in any order tokenize
+    alike: the specials keep theirs and the rest follow sorted."""
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    specials = [t for t in WORDPIECE_SPECIALS if t in vocab]
+    order = specials + sorted(set(vocab) - set(specials))
+    data["model"]["vocab"] = {token: i for i, token in enumerate(order)}
+    for added in data.get("added_tokens", []):
+        added["id"] = data["model"]["vocab"][added["content"]]
+    return Tokenizer.from_str(json.dumps(data))
 
 
 @contextlib.contextmanager
