@@ -111,3 +111,10 @@ def test_wordpiece_ids_do_not_depend_on_the_trainers_hash_order():
     random.Random(0).shuffle(shuffled)
     data["model"]["vocab"] = {t: i for i, t in enumerate(WORDPIECE_SPECIALS + shuffled)}
     assert _fixed_ids(Tokenizer.from_str(json.dumps(data))).to_str() == tok.to_str()
+
+
+def test_an_empty_source_of_a_mix_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    src = _jsonl(tmp_path / "a.jsonl", 200)
+    with pytest.raises(DataError, match="source .*empty.txt holds no documents"):
+        prepare([f"{tmp_path / 'empty.txt'}:0.5", f"{src}:0.5"], tmp_path / "out", **ARGS)

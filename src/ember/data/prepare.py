@@ -280,6 +280,10 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
                 result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options,
                                    resume=state, save=saver(True))
         counts = _total_counts(sources)
+        empty = [s.path for s in sources if s.counts["documents"] == 0]
+        if empty and len(sources) > 1 and sources[0].weight is not None and stopping == "first_exhausted":
+            raise DataError(f"source {empty[0]} holds no documents, so a mix that stops when its first source "
+                            "runs out is empty; fix or drop that source.")
         if counts["documents"] == 0:
             raise DataError(f"the inputs hold no documents ({counts['not_json']} rows were not JSON, "
                             f"{counts['no_text_field']} had no text field, {counts['too_long']} were longer than "
