@@ -4,6 +4,9 @@ targets."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from ember.config import Config
@@ -15,9 +18,23 @@ from ember.train.policies import Every
 from ember.train.schedule import Progress
 
 
+def held_out_rows(cfg: Config, saved: Path | None = None) -> int:
+    """train.eval_batches micro-batches of rows, counted at the run's start: a run resumed
+    with another micro_batch (`saved`: its data.json) scores the same rows, so its curve
+    goes on; one resumed with another eval_batches asked for another set."""
+    rows = cfg.train.eval_batches * cfg.train.micro_batch
+    try:
+        before = json.loads(saved.read_text()) if saved is not None else {}
+    except (OSError, ValueError):
+        return rows  # a damaged data.json is refused by the resume checks themselves
+    same = isinstance(before, dict) and before.get("eval_batches") == cfg.train.eval_batches
+    return int(before["eval_rows"]) if same and isinstance(before.get("eval_rows"), int) else rows
+
+
 class Evaluator:
-    def __init__(self, cfg: Config, batches: Batches, inputs: Inputs, engine: Engine, topo: Topology):
-        n_rows = cfg.train.eval_batches * cfg.train.micro_batch
+    def __init__(self, cfg: Config, batches: Batches, inputs: Inputs, engine: Engine, topo: Topology,
+                 n_rows: int | None = None):
+        n_rows = held_out_rows(cfg) if n_rows is None else n_rows
         self.ids, self.documents = batches.fixed(n_rows)
         self.cfg, self.inputs, self.engine, self.topo = cfg, inputs, engine, topo
         self.every: Every | None = None  # set by the loop, from train.eval_every

@@ -85,7 +85,8 @@ _MAY_CHANGE = {
                                  "eval_batches", "checkpoint_every", "keep_checkpoints", "checkpoint_async",
                                  "timeout_s", "on_spike", "spike_sigma", "spike_window", "trackers", "breakdown")),
     *(("parallel", key) for key in ("dp_replicate", "dp_shard", "zero", "tp", "sp", "pp",
-                                    "vpp", "schedule", "recompute", "recompute_every"))}
+                                    "vpp", "schedule", "recompute", "recompute_every", "stage_layers",
+                                    "grad_dtype"))}
 
 
 def check_resume_config(config: Config, saved_path: Path) -> None:

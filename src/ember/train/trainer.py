@@ -34,7 +34,7 @@ from ember.parallel.mesh import Topology, build_mesh, env_world, init_distribute
 from ember.train import checkpoint
 from ember.train.breakdown import StepProfiler, profiled, reduce_over_ranks
 from ember.train.clock import Clock, Throughput
-from ember.train.evaluation import Evaluator
+from ember.train.evaluation import Evaluator, held_out_rows
 from ember.train.inputs import Inputs, Prefetcher
 from ember.train.loss_scale import LossScaler
 from ember.train.metrics import MetricsLog, NoLog, ProgressBar
@@ -112,7 +112,8 @@ class Trainer:
         self.train_data = Prefetcher(batches, self.inputs, cfg.data.seed, self.dp_rank, self.dp_size,
                                      ahead=cfg.data.prefetch)
         val = Batches(self.data_dir, self.manifest, "val", seed=cfg.data.seed, documents=docs)
-        self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo)
+        self.eval_rows = held_out_rows(cfg, self.run_dir / "data.json" if self.resume_from is not None else None)
+        self.evaluate = Evaluator(cfg, val, self.inputs, self.engine, self.topo, self.eval_rows)
         background = cfg.train.checkpoint_async
         self.checkpointer = checkpoint.Checkpointer(background == "true" or (background == "auto"
                                                                             and self.device.type == "cuda"))
@@ -302,7 +303,8 @@ class Trainer:
             shutil.copyfile(tokenizer, self.run_dir / "tokenizer.json")
         data = {"data_dir": str(self.data_dir.resolve()), "tokenizer_sha256": self.manifest.get("tokenizer_sha256"),
                 "seq_len": self.seq_len, "vocab_size": self.manifest["vocab_size"],
-                "special_tokens": self.manifest["special_tokens"]}
+                "special_tokens": self.manifest["special_tokens"],
+                "eval_batches": self.cfg.train.eval_batches, "eval_rows": self.eval_rows}
         write_text(self.run_dir / "data.json", json.dumps(data, indent=1))
 
     def _finish(self, progress: Progress, status: str) -> dict[str, Any]:
