@@ -33,6 +33,8 @@ def test_default_layout_is_data_parallel_over_the_world():
     (2, ["parallel.zero=2", "parallel.dp_replicate=2"], "would save nothing"),
     (1, ["parallel.zero=1"], "would save nothing"),
     (4, ["schedule.batch_start=4", "schedule.batch_ramp=0.5"], "schedule.batch_start (4)"),
+    # Following the advice must not lead to the zero-without-dp_shard refusal.
+    (4, ["parallel.tp=2", "parallel.dp_replicate=2"], "with those 2 ranks in parallel.dp_shard (dp_replicate=1)"),
 ])
 def test_bad_layouts_are_refused_in_one_sentence(world, sets, words):
     with pytest.raises(ConfigError) as err:

@@ -36,6 +36,18 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+def _umask() -> int:
+    """The process's umask, read without os.umask's set-and-restore, which another thread
+    (an asynchronous checkpoint) could catch half-way."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path for a writer that opens files by name (safetensors, torch.save,
@@ -45,6 +57,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_file(tmp)
+        # Some writers (safetensors) create 0600 files; a run's files are read by others on
+        # a shared filesystem, so they get what the user's umask gives a new file.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:

@@ -188,9 +188,11 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
                    f"so it would save nothing; use parallel.zero=0 or a dp_shard above 1")
     if ember and lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1):
         # DDP takes neither DTensor parameters nor several forwards before a backward.
+        sharded = "" if lo.dp_shard > 1 else (f", with those {lo.dp} ranks in parallel.dp_shard (dp_replicate=1), "
+                                              "since FSDP shards over dp_shard")
         out.append("data parallelism combined with tensor or pipeline parallelism goes through FSDP2, not DDP; set "
                    "parallel.zero=1 (or 2, 3) when parallel.tp or parallel.pp is above 1 with several "
-                   "data-parallel ranks")
+                   f"data-parallel ranks{sharded}")
     if grad_dtype == "bf16" and fp32 and lo.dp > 1:
         # Rounding summed gradients to bf16 would undo what fp32 compute is chosen for (the
         # planner prices fp32 runs with fp32 gradients too).

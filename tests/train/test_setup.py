@@ -130,3 +130,21 @@ def test_resume_refuses_data_from_another_tokenizer(tmp_path):
         (tmp_path / "data.json").write_text(damaged)
         with pytest.raises(ConfigError, match="is damaged"):
             check_resume_data({"tokenizer_sha256": "aaa"}, tmp_path / "data.json")
+
+
+def test_run_files_are_as_readable_as_any_new_file(tmp_path):
+    """safetensors writes 0600 files; the model of a run on a shared filesystem is read by
+    others, so every atomically written file gets the mode the umask gives."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from ember.atomic import atomic_path
+
+    old = os.umask(0o027)
+    try:
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
