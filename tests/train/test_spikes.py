@@ -97,3 +97,17 @@ def test_a_spike_seen_late_rolls_back_past_checkpoints_saved_after_it(dataset, t
     [event] = [r for r in _records(out) if r.get("event") == "loss spike"]
     assert event["spike_step"] == 21 and event["checkpoint_step"] == 20 and event["skipped_sequences"] == 8
     assert all(math.isfinite(r["loss"]) for r in _records(out) if "loss" in r)
+
+
+def test_a_spike_seen_late_sets_aside_the_checkpoints_saved_after_it(dataset, tmp_path):
+    """--resume takes the newest checkpoint: after a stop, that must be one from before the
+    spike, not the step-25 one saved between the spike (21) and the step that saw it (30)."""
+    from ember.train import checkpoint
+
+    out = tmp_path / "run"
+    trainer = _trainer(dataset, out, "train.on_spike=stop", "train.log_every=10", "train.checkpoint_every=5steps",
+                       "train.keep_checkpoints=10")
+    _inject(trainer, 21, lambda loss: loss * float("nan"))
+    assert trainer.run()["status"] == "stopped on a loss spike"
+    assert checkpoint.step_of(checkpoint.latest(out)) == 20
+    assert (out / "checkpoints" / "step_00000025.after-spike").is_dir()  # kept for a look

@@ -102,6 +102,21 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def set_aside(run_dir: Path, from_step: int) -> None:
+    """Rank 0: checkpoints of `from_step` and later hold weights a loss spike had already
+    reached (a checkpoint can be due between a spike and the logged step that catches it).
+    They are renamed NAME.after-spike, which --resume and pruning pass over, and kept for a
+    look."""
+    if rank() != 0:
+        return
+    for path in list_checkpoints(run_dir):
+        if step_of(path) >= from_step:
+            target, n = path.with_name(path.name + ".after-spike"), 1
+            while target.exists():  # a second spike over the same steps
+                target, n = path.with_name(f"{path.name}.after-spike{n}"), n + 1
+            path.rename(target)
+
+
 def is_checkpoint(path: Path) -> bool:
     return (Path(path) / LAYOUT_FILE).is_file()
 

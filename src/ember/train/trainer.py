@@ -233,6 +233,8 @@ class Trainer:
                 self.save(progress)
                 return "interrupted"
             if HALT in decisions or (ROLLBACK in decisions and not self._roll_back(progress, log, bar)):
+                self.checkpointer.wait()
+                checkpoint.set_aside(self.run_dir, self.guard.spike.step)  # --resume starts before the spike
                 return "stopped on a loss spike"
             if ROLLBACK in decisions:
                 read_at = 0.0  # a step or token budget goes back with the weights
@@ -252,12 +254,15 @@ class Trainer:
         spike = self.guard.spike
         self.checkpointer.wait()
         before = [p for p in checkpoint.list_checkpoints(self.run_dir) if checkpoint.step_of(p) < spike.step]
+        if before:  # so that neither --resume nor the next rollback goes back past the spike
+            checkpoint.set_aside(self.run_dir, spike.step)
         record = {"step": progress.step, "event": "loss spike", "spike_step": spike.step,
                   "spike_loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss),
                   "reason": spike.reason}
         if not before:
             log.write(record | {"action": "stop: no checkpoint before the spike"})
-            bar.print(f"step {spike.step}: {spike.reason}; no checkpoint before it to roll back to, stopping")
+            if self.topo.is_main:
+                bar.print(f"step {spike.step}: {spike.reason}; no checkpoint before it to roll back to, stopping")
             return False
         elapsed = progress.elapsed_s
         state = checkpoint.load(before[-1], self.engine.parts, self.engine.optimizers, self.layout())
@@ -271,8 +276,9 @@ class Trainer:
         self.guard.rolled_back()
         log.rewind(progress.step)
         log.write(record | {"action": "rollback", "checkpoint_step": progress.step, "skipped_sequences": skipped})
-        bar.print(f"step {spike.step}: {spike.reason}; rolled back to step {progress.step} and skipped "
-                  f"{skipped} sequences of data")
+        if self.topo.is_main:  # once for the run, not once per rank
+            bar.print(f"step {spike.step}: {spike.reason}; rolled back to step {progress.step} and skipped "
+                      f"{skipped} sequences of data")
         return True
 
     def _batch_unit(self) -> int:
