@@ -88,3 +88,13 @@ def test_every_recipe_loads():
     assert len(recipes) >= 5
     for recipe in recipes:
         load_config(recipe)
+
+
+def test_an_interval_never_suggests_tokens():
+    from ember.budget import parse_interval
+
+    with pytest.raises(ConfigError) as err:
+        parse_interval("abc", "train.checkpoint_every")
+    assert "100steps" in str(err.value) and "tok" not in str(err.value)
+    with pytest.raises(ConfigError, match="must be a number of steps"):
+        parse_interval("5tok", "train.checkpoint_every")

@@ -51,7 +51,13 @@ def parse_budget(text: str, name: str = "budget") -> Budget:
 
 def parse_interval(text: str, name: str) -> Budget:
     """Intervals (eval, checkpoint) are steps or times; tokens make no sense there."""
-    interval = parse_budget(text, name)
+    try:
+        interval = parse_budget(text, name)
+    except ConfigError as err:
+        if "not understood" not in str(err):
+            raise
+        raise ConfigError(f"{name} {text!r} is not understood; write a number of steps (100steps) or a time "
+                          "(90s, 5m).") from None
     if interval.kind == "tokens":
         raise ConfigError(f"{name} must be a number of steps (100steps) or a time (5m), not {text!r}.")
     return interval
