@@ -118,3 +118,12 @@ def test_an_empty_source_of_a_mix_is_named(tmp_path):
     src = _jsonl(tmp_path / "a.jsonl", 200)
     with pytest.raises(DataError, match="source .*empty.txt holds no documents"):
         prepare([f"{tmp_path / 'empty.txt'}:0.5", f"{src}:0.5"], tmp_path / "out", **ARGS)
+
+
+def test_a_gz_cut_inside_its_first_row_is_one_sentence(tmp_path):
+    import gzip
+
+    packed = gzip.compress((json.dumps({"text": "word " * 5000}) + "\n").encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(DataError, match="is not a readable .gz file"):
+        prepare([tmp_path / "cut.jsonl.gz"], tmp_path / "out", **ARGS)

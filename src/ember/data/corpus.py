@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ember.atomic import write_atomic
+from ember.data.errors import DataError
 
 # Test suites hold thousands of throwaway docstrings; the IDLE tests live apart.
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_LONGEST_ROW = 16 << 20  # far above any docstring's row
 
 
 def stdlib_files(root: Path) -> list[Path]:
@@ -59,11 +61,39 @@ def _topics(tree: ast.Module) -> Iterator[str]:
                     yield topics[key]
 
 
+def _is_corpus(path: Path) -> bool:
+    """Whether every line of `path` is a row as `write_stdlib_corpus` writes them."""
+    with open(path, "rb") as handle:
+        # Bounded reads, so a large file of something else is never held whole.
+        for line in iter(lambda: handle.readline(_LONGEST_ROW), b""):
+            if not line.endswith(b"\n"):
+                return False
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return False
+            if not (isinstance(row, dict) and list(row) == ["text"] and isinstance(row["text"], str)):
+                return False
+    return True
+
+
+def check_corpus_out(out_path: Path) -> None:
+    """Refuse an output that would overwrite something the user made (a corpus written
+    earlier may be replaced, so `make demo` can run again)."""
+    if out_path.is_dir():
+        raise DataError(f"--out {out_path} is a folder; name the JSON-lines file to write, "
+                        f"e.g. {out_path / 'stdlib.jsonl'}.")
+    if out_path.exists() and not _is_corpus(out_path):
+        raise DataError(f"--out {out_path} already exists and is not a corpus ember wrote; "
+                        "choose a new file name or remove it first.")
+
+
 def write_stdlib_corpus(out_path: Path, min_chars: int = 40, root: Path | None = None) -> dict:
     """Write one JSON line `{"text": ...}` per standard-library docstring of at least
     `min_chars` characters; return {"documents", "characters", "files"}. `root` replaces
     this interpreter's standard library (for tests)."""
     out_path = Path(out_path)
+    check_corpus_out(out_path)
     root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     counts = {"documents": 0, "characters": 0, "files": 0}
 

@@ -56,10 +56,17 @@ def parse_source(text) -> Source:
 
 def source_from_table(table: dict) -> Source:
     allowed = {"path", "weight", "text_field", "split", "data_files", "config"}
+    if not isinstance(table, dict):
+        raise DataError(f"each source must be a [[source]] table with a path, not {table!r}.")
     unknown = set(table) - allowed
     if unknown or "path" not in table:
         raise DataError(f"a [[source]] table needs path and may hold {', '.join(sorted(allowed - {'path'}))}; "
                         f"it has {', '.join(sorted(table))}.")
+    for key, value in table.items():
+        files = key == "data_files" and isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if key != "weight" and not isinstance(value, str) and not files:
+            kind = "text or a list of texts" if key == "data_files" else "text"
+            raise DataError(f"[[source]] {key} = {value!r} has the wrong type; it must be {kind}.")
     weight = table.get("weight")
     if weight is not None and not (isinstance(weight, (int, float)) and not isinstance(weight, bool)
                                    and 0 < weight < math.inf):

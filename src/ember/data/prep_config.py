@@ -33,6 +33,8 @@ PREPARE_KEYS = {"tokenizer": str, "vocab_size": int, "seq_len": int, "val_fracti
 SECTIONS = {"prepare", "source", "clean", "dedup"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*$", re.IGNORECASE)
 _UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_KIND_NAMES = {str: "text", int: "a whole number", float: "a number", bool: "true or false",
+               (int, str): 'a number of sequences or a size such as "64MB"'}
 
 
 def load_prep_config(path: Path) -> dict:
@@ -49,13 +51,16 @@ def load_prep_config(path: Path) -> dict:
         raise DataError(f"{path} has unknown section {', '.join(unknown)}; "
                         f"use {', '.join(sorted(SECTIONS))}.")
     out: dict = {}
-    for key, value in table.get("prepare", {}).items():
+    settings = table.get("prepare", {})
+    if not isinstance(settings, dict):
+        raise DataError(f"{path}: [prepare] must be one table of settings (a [prepare] header), not {settings!r}.")
+    for key, value in settings.items():
         if key not in PREPARE_KEYS:
             raise DataError(f"[prepare] has no setting {key}; it knows {', '.join(sorted(PREPARE_KEYS))}.")
         kind = PREPARE_KEYS[key]
         accepted = (int, float) if kind is float else kind  # `val_fraction = 0` is a TOML integer
         if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-            raise DataError(f"[prepare] {key} = {value!r} has the wrong type.")
+            raise DataError(f"[prepare] {key} = {value!r} has the wrong type; it must be {_KIND_NAMES[kind]}.")
         out[key] = float(value) if kind is float else value
     if "source" in table:
         if not isinstance(table["source"], list):

@@ -39,8 +39,7 @@ from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
 from ember.data.resume import STARTED, STATE_FILE, clear_state, fingerprint, load_state, save_state, written_files
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
-from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, new_counts
-from ember.data.sources import _open as open_input
+from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, new_counts, open_input
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
                                   train_tokenizer)
 
@@ -126,20 +125,23 @@ def check_text_field(sources: list[Source], text_field: str, rows: int = 100) ->
         if first is None:
             continue
         keys: set[str] = set()
-        with open_input(first, file_format(first)[1]) as handle:
-            for line in itertools.islice((line for line in handle if line.strip()), rows):
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # damaged rows are counted by the passes, not judged here
-                if isinstance(row, dict):
-                    if field in row:
-                        break
-                    keys |= set(row)
-            else:
-                if keys:
-                    raise DataError(f"the first rows of {first} have no field {field!r} (they have "
-                                    f"{', '.join(sorted(keys)[:8])}); pass --text-field with the text's field.")
+        try:
+            with open_input(first, file_format(first)[1]) as handle:
+                for line in itertools.islice((line for line in handle if line.strip()), rows):
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue  # damaged rows are counted by the passes, not judged here
+                    if isinstance(row, dict):
+                        if field in row:
+                            break
+                        keys |= set(row)
+                else:
+                    if keys:
+                        raise DataError(f"the first rows of {first} have no field {field!r} (they have "
+                                        f"{', '.join(sorted(keys)[:8])}); pass --text-field with the text's field.")
+        except (OSError, EOFError):
+            continue  # a damaged file: the first pass names it in one sentence
 
 
 def input_identity(sources: list[Source]) -> list[list]:

@@ -94,7 +94,7 @@ def input_files(inputs: list) -> list[Path]:
     return files
 
 
-def _open(path: Path, compression: str) -> io.BufferedIOBase:
+def open_input(path: Path, compression: str) -> io.BufferedIOBase:
     if compression == ".gz":
         return gzip.open(path, "rb")
     if compression == ".zst":
@@ -102,9 +102,57 @@ def _open(path: Path, compression: str) -> io.BufferedIOBase:
             import zstandard
         except ImportError:
             raise DataError(f"reading {path} needs the zstandard package; pip install 'ember[data]'.") from None
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdFrames(path, zstandard), 1 << 16)
     return open(path, "rb")
+
+
+def _unreadable(path: Path, kind: str, reason) -> DataError:
+    return DataError(f"{path} is not a readable {kind} file ({reason}); check the file.")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Every frame of a .zst file, decompressed as a stream. zstandard's own readers end
+    quietly where a cut-off file ends; this one refuses it there. Its errors are DataErrors
+    already, as the file is read in more places than `_read_lines_format`."""
+
+    def __init__(self, path: Path, zstandard):
+        self._path = path
+        self._file = open(path, "rb")
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._damaged = zstandard.ZstdError
+        self._frame = None  # the frame being decoded; None between frames
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            data = self._file.read(1024)  # small: zstd packs up to 32 MiB of text into 1 KiB
+            if not data:
+                if self._frame is not None:
+                    raise _unreadable(self._path, ".zst", "it ends inside a zstd frame, so it was cut short")
+                return 0
+            out = []
+            while data:
+                if self._frame is None:
+                    self._frame = self._decompressor.decompressobj()
+                try:
+                    out.append(self._frame.decompress(data))
+                except self._damaged as err:
+                    raise _unreadable(self._path, ".zst", err) from None
+                data = b""
+                if self._frame.eof:
+                    data, self._frame = self._frame.unused_data, None
+            self._out = memoryview(b"".join(out))
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _decode(data: bytes) -> tuple[str, bool]:
@@ -267,26 +315,16 @@ def file_documents(path, text_field: str, counts: dict[str, int],
 
 def _read_lines_format(path: Path, fmt: str, compression: str, text_field: str,
                        counts: dict[str, int], limit: int) -> Iterator[str]:
-    with _open(path, compression) as handle:
+    with open_input(path, compression) as handle:
         try:
             if fmt == ".txt":
                 yield from _txt_documents(handle, counts, limit)
             else:
                 yield from _jsonl_documents(handle, text_field, counts, limit)
-        except (OSError, EOFError, *_decompression_errors()) as err:
+        except (OSError, EOFError) as err:  # what gzip raises for a damaged stream
             if isinstance(err, OSError) and err.errno is not None:
                 raise
-            raise DataError(f"{path} is not a readable {compression or fmt} file ({err}); "
-                            "check the file.") from None
-
-
-def _decompression_errors() -> tuple[type[Exception], ...]:
-    """What a damaged compressed stream raises beyond OSError (gzip's) and EOFError."""
-    try:
-        import zstandard
-    except ImportError:
-        return ()
-    return (zstandard.ZstdError,)
+            raise _unreadable(path, compression or fmt, err) from None
 
 
 def iter_documents(inputs: list, text_field: str = "text",
