@@ -148,6 +148,11 @@ def _run(argv: list[str] | None) -> int:
         print("ember: interrupted; what was written so far is complete (the same command continues a "
               "preparation or, with --resume, a run)", file=sys.stderr)
         return 128 + signal.SIGINT
+    except SystemExit as stop:  # SIGTERM, unwound by process.sigterm_unwinds, says the same as Ctrl-C
+        if stop.code == 128 + signal.SIGTERM:
+            print("ember: terminated; what was written so far is complete (the same command continues a "
+                  "preparation or, with --resume, a run)", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":
