@@ -92,3 +92,15 @@ def test_corpus_never_overwrites_a_file_it_did_not_write(tmp_path, capsys, monke
     _refused(["data", "corpus", "--out", str(mine)], "already exists and is not a corpus ember wrote", capsys)
     assert mine.read_text() == content
 
+
+
+def test_vocabulary_flags_with_a_tokenizer_file_are_refused(tmp_path, capsys):
+    from ember.cli import main
+
+    (tmp_path / "in.jsonl").write_text('{"text": "a few words"}\n')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    code = main(["data", "prepare", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out"),
+                 "--tokenizer", str(tmp_path / "tokenizer.json"), "--vocab-size", "4096"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--vocab-size only applies to a tokenizer ember trains" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

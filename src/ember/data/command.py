@@ -57,6 +57,13 @@ def prepare_arguments(args) -> dict:
     if args.dedup in ("near", "both"):
         dedup = DedupConfig.from_dict({**dedup.to_dict(), "near": True})
     kwargs.update(clean=clean, dedup=dedup)
+    from ember.data.tokenizer import KINDS
+
+    given = [f"--{k.replace('_', '-')}" for k in ("vocab_size", "tokenizer_documents") if getattr(args, k)]
+    if kwargs["tokenizer"] not in KINDS and given:  # they size and sample a tokenizer to train, not a file's
+        verb = "apply" if len(given) > 1 else "applies"
+        raise DataError(f"{' and '.join(given)} only {verb} to a tokenizer ember trains; "
+                        f"{kwargs['tokenizer']} brings its own vocabulary, so leave them out.")
     if kwargs["workers"] is None:
         kwargs["workers"] = default_workers()
     kwargs["progress"] = not args.quiet
