@@ -291,10 +291,6 @@ def _check_profile(gpu: GPU, links: Links, stack: Stack, path: Path) -> None:
         if getattr(gpu, name) > 1:  # a share of the datasheet peak, which nothing beats
             raise ConfigError(f"profile file {path}: gpu.{name} is a share of gpu.{peak} and at most 1, not "
                               f"{getattr(gpu, name)!r}; raise gpu.{peak} instead if the datasheet is wrong.")
-    from ember.plan.stacks import STACKS
-
-    if stack.name not in STACKS:
-        raise ConfigError(f"profile file {path}: stack.name must be one of {', '.join(STACKS)}, not {stack.name!r}.")
     for name, choices in STACK_CHOICES.items():
         if getattr(stack, name) not in choices:
             raise ConfigError(f"profile file {path}: stack.{name} must be one of {', '.join(choices)}, "

@@ -116,6 +116,11 @@ def _setup(args):
             raise ConfigError("say how many GPUs to plan for with --gpus.")
     gpu = " ".join(args.gpu) if args.gpu else None
     cluster = make_cluster(gpu, args.gpus, args.gpus_per_node, args.intra_bw, args.inter_bw, args.profile)
+    from ember.plan.stacks import STACKS
+
+    if cluster.stack.name not in STACKS:  # a profile's; a named --stack is checked by stack() below
+        raise ConfigError(f"profile file {args.profile}: stack.name must be one of {', '.join(STACKS)}, "
+                          f"not {cluster.stack.name!r}.")
     if args.stack is not None:
         from ember.plan.stacks import stack
 
