@@ -32,14 +32,16 @@ def _comparable(manifest: dict) -> dict:
     return {k: v for k, v in manifest.items() if k != "created"}
 
 
-def _interrupt_then_resume(monkeypatch, inputs, out, clean_out, **args):
-    monkeypatch.setattr(pipeline, "BATCH_DOCUMENTS", 40)  # many batches, so states are saved along the way
+def interrupted(monkeypatch, inputs, out, at_save: int = 6, **args) -> None:
+    """`prepare` stopped by a KeyboardInterrupt (Ctrl-C, a killed job or a lost stream) while
+    it writes its `at_save`-th shard; batches of 40 documents, so states are saved along the way."""
+    monkeypatch.setattr(pipeline, "BATCH_DOCUMENTS", 40)
     real_save, calls = packing.save_shard, []
 
     def failing_save(path, rows):
         calls.append(path)
-        if len(calls) == 6:
-            raise KeyboardInterrupt  # Ctrl-C, a killed job or a lost stream, while a shard is written
+        if len(calls) == at_save:
+            raise KeyboardInterrupt
         return real_save(path, rows)
 
     monkeypatch.setattr(packing, "save_shard", failing_save)
@@ -47,6 +49,10 @@ def _interrupt_then_resume(monkeypatch, inputs, out, clean_out, **args):
         prepare(inputs, out, **args)
     monkeypatch.setattr(packing, "save_shard", real_save)
     assert (out / STATE_FILE).is_file() and not (out / "manifest.json").exists()
+
+
+def _interrupt_then_resume(monkeypatch, inputs, out, clean_out, **args):
+    interrupted(monkeypatch, inputs, out, **args)
 
     def no_training(*a, **k):
         raise AssertionError("a resumed preparation must reuse its tokenizer")
@@ -83,19 +89,7 @@ def test_an_interrupted_preparation_continues_and_writes_what_an_uninterrupted_o
 def test_other_settings_start_over_instead_of_continuing(tmp_path, monkeypatch):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(400)))
-    monkeypatch.setattr(pipeline, "BATCH_DOCUMENTS", 40)
-    real_save, calls = packing.save_shard, []
-
-    def failing_save(path, rows):
-        calls.append(path)
-        if len(calls) == 6:
-            raise KeyboardInterrupt
-        return real_save(path, rows)
-
-    monkeypatch.setattr(packing, "save_shard", failing_save)
-    with pytest.raises(KeyboardInterrupt):
-        prepare([src], tmp_path / "out", **ARGS)
-    monkeypatch.setattr(packing, "save_shard", real_save)
+    interrupted(monkeypatch, [src], tmp_path / "out", **ARGS)
     other = {**ARGS, "seq_len": 24}
     redone = prepare([src], tmp_path / "out", **other)
     assert _comparable(redone) == _comparable(prepare([src], tmp_path / "clean", **other))

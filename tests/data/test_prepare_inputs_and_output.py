@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-import ember.data.packing as packing
-import ember.data.pipeline as pipeline
+from test_data_resume import interrupted
+
 from ember.data import prepare
 from ember.data.errors import DataError
-from ember.data.resume import STATE_FILE
 from ember.data.tokenizer import WORDPIECE_SPECIALS, _fixed_ids, train_tokenizer
 
 ARGS = dict(tokenizer="bpe", vocab_size=300, seq_len=16, progress=False, workers=0)
@@ -42,20 +41,7 @@ def test_a_folder_it_did_not_start_is_never_written_into(mine, tmp_path):
 
 def test_changed_inputs_start_over_instead_of_continuing(tmp_path, monkeypatch):
     src = _jsonl(tmp_path / "a.jsonl", 400, "old")
-    monkeypatch.setattr(pipeline, "BATCH_DOCUMENTS", 40)
-    real_save, calls = packing.save_shard, []
-
-    def interrupted(path, rows):
-        calls.append(path)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_save(path, rows)
-
-    monkeypatch.setattr(packing, "save_shard", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        prepare([src], tmp_path / "out", **ARGS, shard_sequences=40)
-    monkeypatch.setattr(packing, "save_shard", real_save)
-    assert (tmp_path / "out" / STATE_FILE).is_file()
+    interrupted(monkeypatch, [src], tmp_path / "out", at_save=4, **ARGS, shard_sequences=40)
     _jsonl(src, 400, "new")  # same name, other text
     redone = prepare([src], tmp_path / "out", **ARGS, shard_sequences=40)
     fresh = prepare([src], tmp_path / "fresh", **ARGS, shard_sequences=40)
