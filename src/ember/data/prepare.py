@@ -115,12 +115,12 @@ def _glob_matches(pattern: str, path: Path) -> bool:
     return match(0, 0)
 
 
-def check_text_field(sources: list[Source], text_field: str, rows: int = 100) -> None:
+def check_text_field(sources: list[Source], files: list[list], text_field: str, rows: int = 100) -> None:
     """A text field that none of the first rows of a source's first JSON Lines file holds is
     refused now, not after both passes have read the whole corpus for nothing."""
-    for source in sources:
+    for source, found in zip(sources, files):
         field = source.text_field or text_field
-        first = next((f for f in input_files([source.path]) if isinstance(f, Path) and f.is_file()
+        first = next((f for f in found if isinstance(f, Path) and f.is_file()
                       and file_format(f)[0] in (".jsonl", ".json") and f.stat().st_size), None)
         if first is None:
             continue
@@ -144,14 +144,14 @@ def check_text_field(sources: list[Source], text_field: str, rows: int = 100) ->
             continue  # a damaged file: the first pass names it in one sentence
 
 
-def input_identity(sources: list[Source]) -> list[list]:
+def input_identity(sources: list[Source], files: list[list]) -> list[list]:
     """Every input file by path, size and modification time, in reading order (dataset names
     as given); a file that two sources, or a folder and a file, both name is refused: it
     would be read twice, and each of its held-out documents would have a twin in train."""
     seen: dict[Path, str] = {}
     out = []
-    for source in sources:
-        for item in input_files([source.path]):
+    for source, found in zip(sources, files):
+        for item in found:
             if isinstance(item, str):
                 out.append([item])
                 continue
@@ -218,13 +218,14 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
     if not isinstance(tokenizer_documents, int) or tokenizer_documents < 0:
         raise DataError(f"tokenizer_documents {tokenizer_documents!r} must be a whole number >= 0 (0: all).")
-    check_text_field(sources, text_field)
+    files = [input_files([s.path]) for s in sources]  # each folder searched, each pattern expanded, once
+    check_text_field(sources, files, text_field)
 
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
     # The files themselves (path, size, modification time): a changed or added input starts over.
-    key = fingerprint({"sources": [s.describe() for s in sources], "files": input_identity(sources),
+    key = fingerprint({"sources": [s.describe() for s in sources], "files": input_identity(sources, files),
                        "tokenizer": tokenizer,
                        "tokenizer_file": _sha256(Path(tokenizer).read_text(encoding="utf-8", errors="replace"))
                        if tokenizer not in KINDS and Path(tokenizer).is_file() else None,
