@@ -164,3 +164,32 @@ def test_compiled_fused_block_keeps_no_concatenated_weight(amp):
         block(hidden_states()).sum().backward()  # compile outside the measurement
     _, sizes = saved_bytes(block, hidden_states(), amp)
     assert not sizes & {3 * HIDDEN * HIDDEN, 2 * MLP_HIDDEN * HIDDEN}
+
+
+def _input_gradient_flops(model: torch.nn.Module) -> int:
+    """Matmul FLOPs of the input-gradient half of backward alone, as zero-bubble pipeline
+    schedules ask for it (the weight gradients come in a later pass)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(2, 16, HIDDEN, requires_grad=True)
+    out = next(iter(model.blocks.values()))(x)
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.grad(out.sum(), x)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+def test_zero_bubble_stages_compute_only_the_gradient_each_backward_pass_asks_for(schedule):
+    from ember.config import load_config
+    from ember.parallel.engine import Wrapper
+    from ember.parallel.mesh import Topology
+
+    cfg = load_config(overrides=["parallel.pp=2", "parallel.vpp=2", f"parallel.schedule={schedule}"])
+    torch.manual_seed(0)
+    fused = Transformer(config(activation="swiglu"))
+    wrapped = Wrapper(cfg, Topology(), torch.device("cpu"), None)(copy.deepcopy(fused))
+    # The fused function computes the weight gradients too, whichever half is asked for.
+    assert _input_gradient_flops(wrapped) < 0.75 * _input_gradient_flops(fused)
+    plain = load_config(overrides=["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"])
+    kept = Wrapper(plain, Topology(), torch.device("cpu"), None)(copy.deepcopy(fused))
+    assert _input_gradient_flops(kept) == _input_gradient_flops(fused)  # other schedules keep fusing

@@ -170,6 +170,33 @@ def gather_to_rank0(state: dict) -> dict:
     return {k: v for part in everything for k, v in part.items()} if everything else {}
 
 
+def save_model_streaming(parts: list[nn.Module], path: Path) -> None:
+    """`save_model`, checked to move one tensor at a time: no object collective (which
+    would pickle whole state dicts and pad every rank's buffer to rank 0's, the whole
+    model), and no send larger than the model's largest tensor."""
+    import torch.distributed as dist
+
+    def refused(*args, **kwargs):
+        raise AssertionError("save_model gathered a state dict as one object")
+
+    largest = max(p.numel() for part in parts for p in part.parameters())
+    sent: list[int] = []
+    send = dist.send
+
+    def counted(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return send(tensor, *args, **kwargs)
+
+    saved = dist.gather_object, dist.all_gather_object, dist.send
+    dist.gather_object = dist.all_gather_object = refused
+    dist.send = counted
+    try:
+        save_model(parts, path)
+    finally:
+        dist.gather_object, dist.all_gather_object, dist.send = saved
+    assert max(sent, default=0) <= largest * dist.get_world_size(), (max(sent), largest)
+
+
 def layout(dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
     """The parallel degrees a checkpoint records, as the trainer's saving.layout_of gives them."""
     return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "vpp": 1}
@@ -184,7 +211,7 @@ def save_phase(work: Path, name: str, model: nn.Module, parts: list[nn.Module], 
     checkpoint.save(work / name, 1, parts, optimizers, {"progress": {"step": 1}, "data": {"position": 17}},
                  layout=degrees)
     draws = torch.rand(3)  # what the restored RNG must produce next on this rank
-    save_model(parts, work / f"{name}.safetensors")
+    save_model_streaming(parts, work / f"{name}.safetensors")
     reference = gather_to_rank0(full_state(parts, optimizers))
     rng = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(draws, rng, dst=0)
@@ -261,7 +288,7 @@ def main() -> None:
             train_step(model, optimizers[0] + optimizers[1], batches()[0])
             checkpoint.save(work / "pp2", 1, parts[mine], optimizers[mine], {"progress": {"step": 1}},
                          layout=layout(pp=2))
-            save_model(parts[mine], work / "pp2.safetensors")
+            save_model_streaming(parts[mine], work / "pp2.safetensors")
             reference = gather_to_rank0(full_state(parts[mine], optimizers[mine]))
             losses = continuation(model, optimizers[0] + optimizers[1])
             if mine == 0:

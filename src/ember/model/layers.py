@@ -137,8 +137,9 @@ class Attention(nn.Module):
             # Query head i reads key/value head i // group. Counted on the heads at hand: tensor
             # parallelism gives each rank heads / tp and kv_heads / tp of them, the same groups.
             group = q.shape[1] // k.shape[1]
-            if group > 1 and mask is not None:
-                # CUDA's flash kernel takes no mask, its memory-efficient one no enable_gqa (it would fall to math).
+            if group > 1 and (mask is not None or (q.is_cuda and q.dtype == torch.float32)):
+                # CUDA's flash kernel takes no mask and no fp32, its memory-efficient one no
+                # enable_gqa: either would fall to the math kernel and its T x T scores.
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                  dropout_p=self.dropout if self.training else 0.0,

@@ -91,7 +91,9 @@ def apply_data_parallel(module: nn.Module, topo: Topology, zero: int, device: to
         from torch.distributed._composable.replicate import replicate
 
         kwargs = {"device_ids": [device]} if device.type == "cuda" else {}
-        replicate(module, process_group=topo.group("dp"), **kwargs)
+        # Gradients as views into the reduction buckets: no second copy of every gradient,
+        # and no copy from bucket to gradient after each reduction.
+        replicate(module, process_group=topo.group("dp"), gradient_as_bucket_view=True, **kwargs)
         if reduce_dtype == torch.bfloat16:  # registered now, installed by replicate at the first forward
             module.register_comm_hook(topo.group("dp"), bf16_reduce_hook)
         return DataParallel(module, zero, reduce_dtype)

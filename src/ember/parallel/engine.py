@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ember.config import Config
-from ember.layout import Layout, compiles
+from ember.layout import ZERO_BUBBLE, Layout, compiles
 from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
@@ -24,7 +24,7 @@ from ember.parallel.materialize import is_meta, materialize
 from ember.parallel.mesh import Topology
 from ember.parallel import tensor
 from ember.parallel.pipeline import PipelineEngine
-from ember.parallel.recompute import apply_compile, apply_recompute
+from ember.parallel.recompute import apply_compile, apply_recompute, blocks_of
 from ember.device import NO_TIMER, PhaseTimer, autocast
 
 
@@ -128,6 +128,12 @@ class Wrapper:
         meta = is_meta(module)
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
+        if p.pp > 1 and p.schedule in ZERO_BUBBLE:
+            # These schedules ask a layer for its input gradient and its weight gradient in
+            # two passes; one fused autograd function cannot tell them apart and would run
+            # both matmuls in each. Plain nn.Linear computes only what each pass asks for.
+            for _, block in blocks_of(module):
+                block.attn.fused = block.mlp.fused = False
         apply_recompute(module, p.recompute, p.recompute_every)
         if compiles(self.cfg, self.device.type):
             apply_compile(module)

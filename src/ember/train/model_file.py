@@ -7,6 +7,7 @@ one-process model from that file or from a checkpoint folder (an interrupted run
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +28,69 @@ from ember.train.checkpoint import barrier, rank, world
 
 def save_model(parts: list[nn.Module], path: Path) -> None:
     """Write the model held by `parts` (on this rank; shards and stages on the others) as
-    one safetensors file at `path`, written by rank 0; every rank calls it."""
+    one safetensors file at `path`, written by rank 0; every rank calls it.
+
+    Tensors travel one at a time: each is gathered whole from its shards by the ranks that
+    hold it, the lowest of them sends it to rank 0, and the others drop it at once. So no
+    rank but 0 ever holds more than its shards and one whole tensor, and rank 0 holds the
+    model (which the one file needs) and nothing per rank."""
     local: dict[str, Any] = {}
     for part in parts:
         local.update(get_model_state_dict(part))
     names = sorted(local)
-    owners: list[list[str]] = [names]
-    if world() > 1:
-        owners = [None] * world()  # type: ignore[list-item]
-        dist.all_gather_object(owners, names)
-    # Each name is sent by the lowest rank holding it; the others only take part in the
-    # gathers (in the same order on every rank of a mesh) and drop the result at once.
-    claimed = set().union(*owners[: rank()]) if rank() > 0 else set()
-    mine: dict[str, torch.Tensor] = {}
+    if world() == 1:
+        _write({name: full_tensor(local[name]).detach().to("cpu") for name in names}, Path(path))
+        return
+    # Ranks holding the same names (the ranks of one pipeline stage) form one group, led by
+    # its lowest rank; one 8-byte key per rank says which group a rank is in.
+    key = torch.tensor([_names_key(names)], dtype=torch.int64)
+    keys = [torch.zeros_like(key) for _ in range(world())]
+    dist.all_gather(keys, key)
+    leaders: dict[int, int] = {}  # group key -> its lowest rank
+    for r, k in enumerate(keys):
+        leaders.setdefault(int(k), r)
+    leader = leaders[int(key)] == rank()
+    gathered: dict[str, torch.Tensor] = {}
+    if leader and rank() > 0:
+        dist.send_object_list([[(n, tuple(local[n].shape), local[n].dtype, _device_type(local[n])) for n in names]],
+                              dst=0)
+    # Every holder joins each gather in the same (sorted) order; rank 0 handles its own
+    # group first, then receives the other leaders' tensors in rank order. All ranks take
+    # their steps in one global order, so none waits on a step that waits on it.
     for name in names:
-        tensor = full_tensor(local[name]).detach().to("cpu")
-        if name not in claimed:
-            mine[name] = tensor
-    if world() > 1:
-        gathered: list[Any] = [None] * world() if rank() == 0 else None  # type: ignore[assignment]
-        dist.gather_object(mine, gathered, dst=0)
-        if rank() == 0:
-            mine = {k: v for sent in gathered for k, v in sent.items()}
+        tensor = full_tensor(local[name]).detach()
+        if leader and rank() == 0:
+            gathered[name] = tensor.to("cpu")
+        elif leader:
+            dist.send(tensor.contiguous(), dst=0)
+        del tensor
     if rank() == 0:
-        _write(mine, Path(path))
+        for source in sorted(set(leaders.values()) - {0}):
+            listing: list[Any] = [None]
+            dist.recv_object_list(listing, src=source)
+            for name, shape, dtype, device_type in listing[0]:
+                buffer = torch.empty(shape, dtype=dtype, device=_receiving_device(device_type))
+                dist.recv(buffer, src=source)
+                gathered.setdefault(name, buffer.to("cpu"))
+        _write(gathered, Path(path))
     barrier()
+
+
+def _names_key(names: list[str]) -> int:
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _device_type(value: Any) -> str:
+    return value.device.type if isinstance(value, torch.Tensor) else "cpu"
+
+
+def _receiving_device(device_type: str) -> torch.device:
+    """Where rank 0 takes a tensor sent from a `device_type` tensor: the same kind of device,
+    so the transfer runs over that device's backend (NCCL between GPUs)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def _write(tensors: dict[str, torch.Tensor], path: Path) -> None:
