@@ -3,6 +3,7 @@ GLUE results mixed with another's, and every refusal before the first fine-tunin
 
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -85,6 +86,21 @@ def test_glue_results_gain_tasks_and_refuse_another_setup(run, tmp_path, capsys)
     (run / "eval" / "glue" / "results.json").write_text(json.dumps(kept | {"tasks": {"rte": {"metrics": [1]}}}))
     with pytest.raises(ConfigError, match="is damaged"):
         run_glue(run, glue, tasks="cola", seeds=1, progress=False)
+
+
+def test_glue_results_of_weights_trained_further_get_no_new_tasks(run, tmp_path, capsys):
+    # `ember train --resume` with a longer budget writes new weights at the same path.
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE", "CoLA"))
+    run_glue(run, glue, tasks="rte", seeds=1, progress=False)
+    kept = (run / "eval" / "glue" / "results.json").read_text()
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # rewritten: the same path, newer weights
+    later = weights.stat().st_mtime_ns + 10**9  # a filesystem's clock may tick coarser than the test
+    os.utime(weights, ns=(later, later))
+    with pytest.raises(ConfigError, match="earlier weights"):
+        run_glue(run, glue, tasks="cola", seeds=1, progress=False)
+    assert (run / "eval" / "glue" / "results.json").read_text() == kept
+    run_glue(run, glue, tasks="cola", seeds=1, progress=False, out=tmp_path / "new.json")
 
 
 def test_held_out_scores_are_replaced_only_for_the_same_data(run, dataset, tmp_path, capsys):

@@ -26,7 +26,7 @@ from ember.eval.encode import encode_split
 from ember.eval.finetune import Protocol, total_steps
 from ember.eval.glue_jobs import Unit, fit_and_score, run_parallel
 from ember.eval.glue_tasks import COLUMNS, TASKS, TaskData, load_task, parse_tasks
-from ember.eval.results import check_glue_setup, claim
+from ember.eval.results import check_glue_setup, claim, weights_stamp
 from ember.eval.run import Run, open_run
 from ember.device import device_name, pick_device
 
@@ -131,7 +131,8 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
         raise ConfigError(f"--jobs {jobs} runs fine-tuning processes on the CPU; on {device_name(dev)} "
                           "use --jobs 1 (or --device cpu).")
     results = {
-        "checkpoint": str(run.run_dir), "weights": str(run.weights), "tokenizer": str(run.tokenizer_path),
+        "checkpoint": str(run.run_dir), "weights": str(run.weights),
+        "weights_stamp": weights_stamp(run.weights), "tokenizer": str(run.tokenizer_path),
         "objective": run.objective, "pooling": pooling_name(run.objective, protocol.pooling),
         "protocol": protocol.to_dict() | {"max_len": min(protocol.max_len, run.config.model.max_seq_len)},
         "seeds": list(range(seeds)), "device": device_name(dev), "jobs": jobs, "convention": CONVENTION,

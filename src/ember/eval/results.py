@@ -19,11 +19,21 @@ from ember.config import ConfigError
 # What marks a file as written by each verb.
 _MARKS = {"glue": ("checkpoint", "weights", "tasks", "convention"), "lm": ("checkpoint", "weights", "perplexity")}
 # A GLUE results file gains tasks only from a run that differs in none of these.
-GLUE_SETUP = ("weights", "tokenizer", "objective", "pooling", "protocol", "seeds")
+GLUE_SETUP = ("weights", "weights_stamp", "tokenizer", "objective", "pooling", "protocol", "seeds")
 
 
 def _same_path(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def weights_stamp(path: Path) -> str:
+    """Which version of the weights at `path` these are: bytes and newest modification
+    time. `ember train --resume` rewrites a run's model.safetensors at the same path, and
+    results of the old weights must not be merged with scores of the new ones."""
+    path = Path(path)
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    return f"{sum(st.st_size for st in stats)} bytes, {max((st.st_mtime_ns for st in stats), default=0)}"
 
 
 def claim(path: Path, run_dir: Path, verb: str) -> dict | None:
@@ -58,7 +68,11 @@ def check_glue_setup(path: Path, old: dict, new: dict) -> None:
     """Refuse to add tasks to results fine-tuned differently: the average would mix setups."""
     new = json.loads(json.dumps(new))  # as it would be read back: tuples become lists
     same = {key: _same_path if key in ("weights", "tokenizer") else (lambda a, b: a == b) for key in GLUE_SETUP}
+    same["weights_stamp"] = lambda a, b: a is None or a == b  # files of older embers have none
     differs = [key for key in GLUE_SETUP if not same[key](old.get(key), new[key])]
+    if differs == ["weights_stamp"]:
+        raise ConfigError(f"{path} holds GLUE results of earlier weights at {new['weights']} (the run was "
+                          "trained further since); pass --out another file, or move the old one away.")
     if differs:
         raise ConfigError(f"{path} holds GLUE results of another setup (its {', '.join(differs)} differ); "
                           "pass --out another file to keep both.")
