@@ -98,3 +98,9 @@ def test_an_interval_never_suggests_tokens():
     assert "100steps" in str(err.value) and "tok" not in str(err.value)
     with pytest.raises(ConfigError, match="must be a number of steps"):
         parse_interval("5tok", "train.checkpoint_every")
+
+
+def test_a_batch_ramp_outside_the_batch_sizes_names_all_three():
+    # A cram recipe (batch_start 128) shrunk to a smaller global batch hits this first.
+    with pytest.raises(ConfigError, match=r"batch_start \(128\) .*micro_batch \(16\) .*global_batch \(32\)"):
+        load_config(overrides=["schedule.batch_start=128", "train.micro_batch=16", "train.global_batch=32"])

@@ -334,7 +334,9 @@ def validate(config: Config) -> None:
         )
     s = config.schedule
     if s.batch_start and (s.batch_start < t.micro_batch or s.batch_start > t.global_batch):
-        raise ConfigError("schedule.batch_start must lie between train.micro_batch and train.global_batch.")
+        raise ConfigError(f"schedule.batch_start ({s.batch_start}) must lie between train.micro_batch "
+                          f"({t.micro_batch}) and train.global_batch ({t.global_batch}); set it in that range, "
+                          "or 0 for no batch-size ramp.")
     for name in ("warmup", "decay", "batch_ramp", "triangle_peak", "triangle_start", "min_lr_ratio"):
         if not 0.0 <= getattr(s, name) <= 1.0:
             raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")

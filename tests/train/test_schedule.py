@@ -52,6 +52,15 @@ def test_progress_fraction_follows_the_budget_kind():
     assert p.fraction(parse_budget("10steps")) == 1.0
 
 
+def test_a_time_budget_ends_when_the_next_steps_middle_would_fall_past_it():
+    budget = parse_budget("1m")
+    assert not Progress(elapsed_s=57.0, step_s=4.0).done(budget)  # its middle, 59 s, trains at lr > 0
+    assert Progress(elapsed_s=58.0, step_s=4.0).done(budget)  # its middle is the budget's end
+    assert not Progress(elapsed_s=59.9).done(budget)  # no step timed yet (a resumed run's first)
+    assert Progress(elapsed_s=60.0).done(budget)
+    assert not Progress(step=9, step_s=100.0).done(parse_budget("10steps"))  # counted budgets end by count
+
+
 def test_a_step_reads_the_schedule_at_its_middle():
     """Read at the step's start, the first step of a warmup trains at lr 0: its gradient is
     thrown away, and the warmup gives less than the area under its ramp."""

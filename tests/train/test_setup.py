@@ -112,6 +112,21 @@ def test_a_time_budget_ends_on_time_and_annealed(dataset, tmp_path, monkeypatch)
     assert all(b <= a for a, b in zip(lrs[peak:], lrs[peak + 1:]))
 
 
+@pytest.mark.parametrize("tick", [0.013, 0.029, 0.047])
+def test_no_step_of_a_time_budget_trains_at_the_triangles_end(dataset, tmp_path, monkeypatch, tick):
+    """A step started less than half a step before the end reads the schedule past the end
+    (a triangle's lr 0): it would change nothing and overrun the budget."""
+    monkeypatch.setattr(clock, "time", SteppingClock(tick=tick))
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["schedule.lr=triangle", "train.log_every=1",
+                                                              "train.eval_every=1000steps"])
+    summary = Trainer(cfg, dataset, tmp_path / "run", budget="1s", progress=False).run()
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "lr" in r]
+    assert len(steps) == summary["steps"] > 3 and all(r["lr"] > 0 for r in steps)
+    last_step_s = steps[-1]["elapsed_s"] - steps[-2]["elapsed_s"]
+    assert 1.0 - last_step_s <= summary["elapsed_s"] < 1.0 + last_step_s
+
+
 def test_the_last_step_of_a_time_budget_is_logged(dataset, tmp_path, monkeypatch):
     monkeypatch.setattr(clock, "time", SteppingClock(tick=0.01))
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.log_every=1000", "train.eval_every=1000steps"])
@@ -148,3 +163,12 @@ def test_run_files_are_as_readable_as_any_new_file(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_model_vocabulary_far_beyond_the_datas_gets_a_note(dataset, tmp_path, capsys):
+    data_vocab = json.loads((dataset / "manifest.json").read_text())["vocab_size"]
+    for vocab, noted in ((data_vocab + 64, False), (8 * data_vocab, True)):
+        cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + [f"model.vocab_size={vocab}"])
+        Trainer(cfg, dataset, tmp_path / f"run{vocab}", budget="1steps", progress=False).run()
+        err = capsys.readouterr().err
+        assert ("never see a target" in err) == noted, err

@@ -28,14 +28,14 @@ class Clock:
     def local(self) -> float:
         return time.perf_counter() - self._start
 
-    def agree(self, signal: int | None) -> tuple[float, int | None]:
-        """(elapsed seconds, a stop signal) as every rank sees them: the slowest rank's
-        clock, and the signal any rank received."""
+    def agree(self, signal: int | None, step_s: float) -> tuple[float, int | None, float]:
+        """(elapsed seconds, a stop signal, the step's seconds) as every rank sees them: the
+        slowest rank's clock and step, and the signal any rank received."""
         if self.topo.world == 1:
-            return self.local(), signal
-        state = torch.tensor([self.local(), float(signal or 0)], dtype=torch.float64)
+            return self.local(), signal, step_s
+        state = torch.tensor([self.local(), float(signal or 0), step_s], dtype=torch.float64)
         self.topo.all_reduce(state, ("world",), op=dist.ReduceOp.MAX)
-        return float(state[0]), (int(state[1]) or None)
+        return float(state[0]), (int(state[1]) or None), float(state[2])
 
 
 class Throughput:

@@ -17,10 +17,20 @@ class Progress:
     step: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
+    step_s: float = 0.0  # the last step's time (the slowest rank's), 0 before the first
 
     def fraction(self, budget: Budget) -> float:
         used = {"steps": self.step, "tokens": self.tokens, "seconds": self.elapsed_s}[budget.kind]
         return min(1.0, used / budget.amount)
+
+    def done(self, budget: Budget) -> bool:
+        """Whether the budget is spent. A time budget also ends when the next step would
+        end more than half past it: that step would train at the schedule's end (a
+        triangle's learning rate of 0) and overrun the budget by most of a step, so the run
+        ends within half a step of its budget, either side."""
+        if self.fraction(budget) >= 1.0:
+            return True
+        return budget.kind == "seconds" and self.step_s > 0 and self.elapsed_s + self.step_s / 2 >= budget.amount
 
     def step_fraction(self, budget: Budget, step_tokens: int, step_seconds: float) -> float:
         """The fraction of the budget at the middle of the next step, which trains

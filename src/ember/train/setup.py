@@ -156,14 +156,14 @@ def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -
     return newest
 
 
-def finished_summary(run_dir: Path, newest: Path | None, fraction) -> dict | None:
+def finished_summary(run_dir: Path, newest: Path | None, done) -> dict | None:
     """The summary of a run that `--resume` finds already finished: its newest checkpoint is
-    at the end of the budget (`fraction(progress)` >= 1) and the model file and summary of that
+    at the end of the budget (`done(progress)`) and the model file and summary of that
     step were written. None where there is training, or finishing, left to do."""
     if newest is None:
         return None
     progress = checkpoint.read_state(newest)["progress"]
-    if fraction(progress) < 1.0 or not (run_dir / "model.safetensors").is_file():
+    if not done(progress) or not (run_dir / "model.safetensors").is_file():
         return None
     try:
         summary = json.loads((run_dir / "summary.json").read_text())

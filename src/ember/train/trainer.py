@@ -62,7 +62,7 @@ class Trainer:
         self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
         # A requeued job whose run had already finished: nothing to build, write or train.
         self.finished = finished_summary(self.run_dir, self.resume_from,
-                                         lambda progress: Progress(**progress).fraction(self.budget))
+                                         lambda progress: Progress(**progress).done(self.budget))
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)
@@ -173,6 +173,11 @@ class Trainer:
                           trackers=open_trackers(self.cfg.train.trackers, self.run_dir, to_toml(self.cfg), resume_step))
                if self.topo.is_main else NoLog())
         bar = ProgressBar(self.show_progress, f"{self.cfg.model.objective} {self.budget}")
+        data_vocab = int(self.manifest["vocab_size"])
+        if self.topo.is_main and self.cfg.model.vocab_size > 2 * data_vocab:  # legal, but rarely meant
+            bar.print(f"note: model.vocab_size ({self.cfg.model.vocab_size:,}) is "
+                      f"{self.cfg.model.vocab_size / data_vocab:.0f}x the data's vocabulary ({data_vocab:,}): "
+                      "the output rows beyond it never see a target; model.vocab_size=0 takes the data's.")
         if self.resume_from is not None and self.topo.is_main:
             bar.print(f"resuming from {self.resume_from} (step {progress.step})")
         elif self.resume_requested and self.topo.is_main:  # a requeued job that never reached a checkpoint
@@ -193,29 +198,27 @@ class Trainer:
         self.evaluate.every = Every(parse_interval(t.eval_every, "train.eval_every"), progress)
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
         self.last_loss = self.last_val = float("nan")
-        step_s = 0.0  # the last step's time, for a time budget's step_fraction
         # Where the schedule was last read. The time a step is expected to take is the last
-        # one's, which an evaluation or a checkpoint before it stretches; the schedule must
-        # not run backwards on the step after.
+        # one's; a step slower than the next (a busy host, a compile) must not send the
+        # schedule back.
         read_at = 0.0
-        while progress.fraction(self.budget) < 1.0:
+        while not progress.done(self.budget):
             fraction = progress.fraction(self.budget)
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
-            read_at = max(read_at, progress.step_fraction(self.budget, n * self.seq_len, step_s))
+            read_at = max(read_at, progress.step_fraction(self.budget, n * self.seq_len, progress.step_s))
             lr = self.cfg.optim.lr * lr_factor(read_at, self.cfg.schedule)
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
             self.timer.enabled = (progress.step + 1) % t.log_every == 0
             self.profiler.enabled = self.timer.enabled and profiled(t.breakdown, self.world,
                                                                     (progress.step + 1) // t.log_every)
             throughput.start()
+            began = clock.local()
             with self.profiler.step():
                 loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens
-            started_s = progress.elapsed_s
-            progress.elapsed_s, signal = clock.agree(stop.signal)
-            step_s = progress.elapsed_s - started_s
-            logged = progress.step % t.log_every == 0 or progress.fraction(self.budget) >= 1.0
+            progress.elapsed_s, signal, progress.step_s = clock.agree(stop.signal, clock.local() - began)
+            logged = progress.step % t.log_every == 0 or progress.done(self.budget)
             throughput.stop(tokens, self.flops_per_token(self._predicted_fraction(count, tokens)) * tokens,
                             synchronise=logged)
             if logged:
@@ -224,7 +227,7 @@ class Trainer:
                           "loss": self.last_loss, "lr": lr, "grad_norm": float(grad_norm), **throughput.read(),
                           **self.scaler.log()}
                 log.write(record | self.timer.read() | reduce_over_ranks(self.profiler.read(), self.topo))
-                bar.update(progress.fraction(self.budget), _bar_stats(record))
+                bar.update(1.0 if progress.done(self.budget) else progress.fraction(self.budget), _bar_stats(record))
             if self.evaluate.due(progress):
                 self._log_eval(progress, log)
             result = StepResult(progress, signal, loss, logged, self.train_data.position)
