@@ -41,6 +41,13 @@ CASES = [
     ("bench-zero-steps", ["bench", RECIPE, "--data", "{data}", "--steps", "0"], "--steps"),
     ("bench-negative-warmup", ["bench", RECIPE, "--data", "{data}", "--warmup", "-1"], "--warmup"),
     ("bench-layout-too-big", ["bench", RECIPE, "--data", "{data}", "--set", "parallel.tp=4"], "parallel"),
+    # train
+    ("train-seed-beyond-64-bits", ["train", RECIPE, "--data", "{data}", "--out", "{root}/t1", "--set",
+                                   "train.seed=1e30"], "train.seed must be"),
+    ("train-mps-not-here", ["train", RECIPE, "--data", "{data}", "--out", "{root}/t2", "--set", "train.device=mps"],
+     "MPS"),
+    ("train-nan-mask-fraction", ["train", RECIPE, "--data", "{data}", "--out", "{root}/t3", "--set",
+                                 "data.mask_token_frac=nan"], "mask_token_frac"),
     # tune
     ("tune-zero-processes", ["tune", RECIPE, "--data", "{data}", "--nproc", "0", "--dry-run"], "--nproc"),
     ("tune-missing-data", ["tune", RECIPE, "--data", "{missing}", "--nproc", "2", "--dry-run"], "manifest"),
@@ -126,3 +133,28 @@ def test_a_mistake_is_one_sentence_and_status_2(places, capsys, argv, words):
     after = {name: _snapshot(Path(places[name])) for name in ("data", "run")}
     assert after == before  # nothing the user made is touched
     assert Path(places["file"]).read_text() == "x"
+
+
+def test_resume_of_a_run_with_a_damaged_config_is_one_sentence(places, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(places["run"], run)
+    (run / "config.toml").write_text("[model")
+    code = main(["train", RECIPE, "--data", places["data"], "--out", str(run), "--budget", "3steps", "--resume",
+                 *SETS])
+    err = capsys.readouterr().err
+    assert code == 2 and "config.toml is damaged" in err and err.count("\n") == 1, err
+
+
+def test_training_refuses_a_tokenizer_the_shards_were_not_made_with(places, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(places["data"], data)
+    tokenizer = data / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + " ")  # another file: its hash differs
+    for damage, words in ((None, "not the tokenizer the data's shards were made with"), ("missing", "is missing")):
+        if damage == "missing":
+            tokenizer.unlink()
+        code = main(["train", RECIPE, "--data", str(data), "--out", str(tmp_path / "run"), "--budget", "2steps",
+                     *SETS])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and err.count("\n") == 1, err
+        assert not (tmp_path / "run").exists()

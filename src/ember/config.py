@@ -187,11 +187,11 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "train.log_every": (1, math.inf, True, False),
     "train.eval_batches": (1, math.inf, True, False),
     "train.keep_checkpoints": (1, math.inf, True, False),
-    "train.seed": (0, math.inf, True, False),
+    "train.seed": (0, 2**63 - 1, True, True),  # torch.manual_seed's range
     "train.timeout_s": (0.0, math.inf, False, False),
     "train.spike_sigma": (0.0, math.inf, False, False),
     "train.spike_window": (4, math.inf, True, False),
-    "data.seed": (0, math.inf, True, False),
+    "data.seed": (0, 2**63 - 1, True, True),
     "schedule.batch_start": (0, math.inf, True, False),
 }
 
@@ -202,7 +202,8 @@ def _check_ranges(config: "Config") -> None:
         value = getattr(getattr(config, section), key)
         inside = (low < value or (low_ok and value == low)) and (value < high or (high_ok and value == high))
         if not math.isfinite(value) or not inside:
-            span = ("[" if low_ok else "(") + f"{low:g}, " + (f"{high:g}" if high < math.inf else "inf") + \
+            top = "inf" if high == math.inf else (str(high) if isinstance(high, int) else f"{high:g}")
+            span = ("[" if low_ok else "(") + f"{low:g}, " + top + \
                    ("]" if high_ok else ")")
             raise ConfigError(f"{dotted} must be a finite number in {span}, not {value!r}.")
     if not all(math.isfinite(b) and 0.0 <= b < 1.0 for b in config.optim.betas):
@@ -325,7 +326,8 @@ def validate(config: Config) -> None:
     d = config.data
     if not 0.0 < d.mlm_rate < 1.0:
         raise ConfigError("data.mlm_rate must be between 0 and 1.")
-    if d.mask_token_frac + d.random_token_frac > 1.0 or min(d.mask_token_frac, d.random_token_frac) < 0:
+    if not (0.0 <= d.mask_token_frac <= 1.0 and 0.0 <= d.random_token_frac <= 1.0
+            and d.mask_token_frac + d.random_token_frac <= 1.0):  # written so that NaN fails too
         raise ConfigError("data.mask_token_frac + data.random_token_frac must lie in [0, 1].")
     if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
         raise ConfigError(

@@ -25,9 +25,13 @@ def pick_device(name: str = "auto", setting: str = "train.device") -> torch.devi
         device = torch.device(name)
     except RuntimeError:
         raise ConfigError(f"{setting} {name!r} is not a device; use auto, cpu, cuda or cuda:N.") from None
+    auto = "--device auto" if setting.startswith("--") else f"{setting}=auto"
     if device.type == "cuda" and not torch.cuda.is_available():
-        auto = "--device auto" if setting.startswith("--") else f"{setting}=auto"
         raise ConfigError(f"{setting} asks for CUDA but this machine has no CUDA GPU; use {auto}.")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"{setting} asks for Apple's MPS but this machine has none; use {auto}.")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{setting} {name!r} is a device ember does not run on; use auto, cpu, cuda or cuda:N.")
     return device
 
 

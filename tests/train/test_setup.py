@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +173,36 @@ def test_a_model_vocabulary_far_beyond_the_datas_gets_a_note(dataset, tmp_path, 
         Trainer(cfg, dataset, tmp_path / f"run{vocab}", budget="1steps", progress=False).run()
         err = capsys.readouterr().err
         assert ("never see a target" in err) == noted, err
+
+
+def test_resume_never_restarts_a_run_whose_checkpoints_were_set_aside(dataset, tmp_path):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.checkpoint_every=2steps"])
+    run = tmp_path / "run"
+    Trainer(cfg, dataset, run, budget="2steps", progress=False).run()
+    weights = (run / "model.safetensors").read_bytes()
+    (run / "checkpoints" / "step_00000002").rename(run / "checkpoints" / "step_00000002.damaged")
+    with pytest.raises(ConfigError, match="no checkpoint to resume from"):
+        Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False)
+    assert (run / "model.safetensors").read_bytes() == weights
+
+
+def test_a_killed_saves_leftovers_are_removed_when_the_run_resumes(dataset, tmp_path):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.checkpoint_every=2steps"])
+    run = tmp_path / "run"
+    Trainer(cfg, dataset, run, budget="2steps", progress=False).run()
+    (run / "checkpoints" / "step_00000003.tmp" / "rng").mkdir(parents=True)
+    (run / "model.safetensors.tmp").write_bytes(b"half")
+    assert Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False).run()["steps"] == 4
+    assert not list(run.glob("*.tmp")) and not list(run.glob("checkpoints/*.tmp"))
+
+
+def test_resume_refuses_a_checkpoint_folder_it_cannot_write_before_training(dataset, tmp_path, monkeypatch):
+    import os
+
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.checkpoint_every=2steps"])
+    run = tmp_path / "run"
+    Trainer(cfg, dataset, run, budget="2steps", progress=False).run()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "checkpoints" and access(path, mode))
+    with pytest.raises(ConfigError, match="cannot write checkpoints"):
+        Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False)

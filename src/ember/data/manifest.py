@@ -19,6 +19,30 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+def tokenizer_sha256(path: Path) -> str:
+    """The manifest hashes the tokenizer's text; a copy of the file hashes the same."""
+    return hashlib.sha256(Path(path).read_text(encoding="utf-8").encode("utf-8")).hexdigest()
+
+
+def check_tokenizer(data_dir: Path, manifest: dict) -> None:
+    """The data's tokenizer file is the one its shards were made with: a run copies it, and
+    evaluation and export read that copy."""
+    path = Path(data_dir) / manifest.get("tokenizer_file", "tokenizer.json")
+    expected = manifest.get("tokenizer_sha256")
+    if not expected:
+        return  # data prepared without one to check against
+    try:
+        found = tokenizer_sha256(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing; the data's shards were made with it, so restore it "
+                        "or prepare the data again.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read {path} ({getattr(err, 'strerror', None) or err}).") from None
+    if found != expected:
+        raise DataError(f"{path} is not the tokenizer the data's shards were made with (its sha256 differs "
+                        "from manifest.json's); restore it or prepare the data again.")
+
+
 def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str) -> None:
     path = data_dir / shard["file"]
     if not path.is_file():

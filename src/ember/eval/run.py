@@ -8,7 +8,6 @@ else the newest complete checkpoint (an interrupted one). A checkpoint folder
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from tokenizers import Tokenizer
 
 from ember.config import Config, ConfigError, load_config
 from ember.data import load_tokenizer, special_token_ids
+from ember.data.manifest import tokenizer_sha256
 from ember.model import Transformer
 from ember.train.checkpoint import is_checkpoint, latest
 from ember.train.model_file import load_model
@@ -79,11 +79,6 @@ def result_path(run_dir: Path, weights: Path, folder: str, stem: str) -> Path:
 def _weights_in(folder: Path) -> Path:
     """A checkpoint folder, or the weights file inside one of an older ember."""
     return folder if is_checkpoint(folder) else folder / "model.safetensors"
-
-
-def tokenizer_sha256(path: Path) -> str:
-    # The manifest hashes the tokenizer's text; the run keeps a byte copy, so hash the text too.
-    return hashlib.sha256(path.read_text(encoding="utf-8").encode("utf-8")).hexdigest()
 
 
 def vocabulary_size(tok: Tokenizer) -> int:

@@ -117,6 +117,26 @@ def set_aside(run_dir: Path, from_step: int) -> None:
             path.rename(target)
 
 
+def set_aside_names(run_dir: Path) -> list[str]:
+    """Checkpoints a user or a spike set aside (NAME.damaged, NAME.after-spike): --resume
+    passes over them, but they show that the run got that far."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.name.startswith(PREFIX) and "." in p.name and not p.name.endswith(".tmp"))
+
+
+def remove_unfinished(run_dir: Path) -> None:
+    """Rank 0, before a run (re)starts: checkpoints and files a killed save left under their
+    temporary names. Nothing reads them, and a checkpoint's can be as large as the model."""
+    for leftover in [*Path(run_dir).glob("*.tmp"), *Path(run_dir).glob("checkpoints/*.tmp")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
 def is_checkpoint(path: Path) -> bool:
     return (Path(path) / LAYOUT_FILE).is_file()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -93,7 +94,11 @@ def check_resume_config(config: Config, saved_path: Path) -> None:
     """A resumed run must be the same run: refuse changes that would alter its losses."""
     if not saved_path.exists():
         return
-    saved = tomllib.loads(saved_path.read_text())
+    try:
+        saved = tomllib.loads(saved_path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{saved_path} is damaged ({err}); it records the run being resumed, so restore it "
+                          "or start a new run in another --out.") from None
     for section, values in config.to_dict().items():
         for key, value in values.items():
             if (section, key) in _MAY_CHANGE:
@@ -150,6 +155,14 @@ def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -
         if present:
             raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out.")
         return None
+    saves = run_dir / "checkpoints"
+    if saves.is_dir() and not os.access(saves, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write checkpoints into {saves} (not writable); fix its permissions first.")
+    got_further = checkpoint.set_aside_names(run_dir) + sorted(present & {"model.safetensors", "summary.json"})
+    if newest is None and got_further:
+        # Starting again from step 0 would overwrite what the run reached.
+        raise ConfigError(f"{run_dir} holds a run ({', '.join(got_further[:3])}) but no checkpoint to resume from; "
+                          "rename a set-aside checkpoint back to step_N, or start again with another --out.")
     if newest is not None:
         check_resume_config(config, run_dir / "config.toml")
         check_resume_data(manifest, run_dir / "data.json")

@@ -24,7 +24,7 @@ from ember.budget import parse_budget, parse_interval
 from ember.config import Config, to_toml
 from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
-from ember.data.manifest import verify_checksums
+from ember.data.manifest import check_tokenizer, verify_checksums
 from ember.layout import SCHEDULES, check_run
 from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes,
                           peak_reserved_bytes, pick_device, reset_peak_memory, use_device)
@@ -67,6 +67,7 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)
         self.amp_dtype = autocast_dtype(cfg.train.precision, self.device)
+        check_tokenizer(self.data_dir, self.manifest)
         if cfg.data.verify:  # last of the checks: the ranks read every shard once between them
             verify_checksums(self.data_dir, self.manifest, self.rank, self.world)
         self._given_model = model
@@ -167,6 +168,7 @@ class Trainer:
             self.train_data.load_state_dict(state["data"])
             self.scaler.load_state_dict(state.get("loss_scale"))
         if self.topo.is_main:
+            checkpoint.remove_unfinished(self.run_dir)
             self._write_run_files()
         resume_step = progress.step if self.resume_from is not None else None
         log = (MetricsLog(self.run_dir / "metrics.jsonl", resume_step=resume_step,
