@@ -83,6 +83,7 @@ CASES = [
     # export
     ("export-missing-run", ["export", "hf", "--checkpoint", "{missing}", "--out", "{root}/hf1"], "missing"),
     ("export-onto-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}"], "a_file"),
+    ("export-under-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}/x"], "as a folder: it is a file"),
     ("export-onto-the-run", ["export", "hf", "--checkpoint", "{run}", "--out", "{run}"], "run"),
     ("export-missing-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf2", "--tokenizer",
                                  "{missing}.json"], "does not exist; pass an existing tokenizer.json"),
@@ -158,3 +159,34 @@ def test_training_refuses_a_tokenizer_the_shards_were_not_made_with(places, tmp_
         err = capsys.readouterr().err
         assert code == 2 and words in err and err.count("\n") == 1, err
         assert not (tmp_path / "run").exists()
+
+
+def test_an_unreadable_file_is_named_as_unreadable_not_as_damaged(places, tmp_path, capsys, monkeypatch):
+    """Permissions (chmod 000 on a shared filesystem) are the user's to fix; preparing the
+    data again or retraining would not help. (Root reads anything, so the refusal is forced.)"""
+    import builtins
+    import errno
+
+    import numpy as np
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(np, "load", denied)
+        code = main(["train", RECIPE, "--data", places["data"], "--out", str(tmp_path / "r1"), "--budget", "2steps",
+                     *SETS])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot use" in err and "Permission denied" in err and "prepare" not in err, err
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file).endswith(("model.safetensors", "tokenizer.json")):
+            denied(file)
+        return real_open(file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", guarded)
+        code = main(["eval", "lm", "--checkpoint", places["run"], "--data", places["data"]])
+    err = capsys.readouterr().err
+    assert code == 2 and "Permission denied" in err and "does not hold weights" not in err, err

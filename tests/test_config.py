@@ -104,3 +104,8 @@ def test_a_batch_ramp_outside_the_batch_sizes_names_all_three():
     # A cram recipe (batch_start 128) shrunk to a smaller global batch hits this first.
     with pytest.raises(ConfigError, match=r"batch_start \(128\) .*micro_batch \(16\) .*global_batch \(32\)"):
         load_config(overrides=["schedule.batch_start=128", "train.micro_batch=16", "train.global_batch=32"])
+
+
+def test_an_override_without_a_name_is_refused():
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(overrides=["=1"])

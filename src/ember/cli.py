@@ -20,7 +20,9 @@ def _cmd_train(args) -> int:
     from ember.config import load_config
     from ember.train.trainer import Trainer
 
-    config = load_config(args.config, args.set or [])
+    # --budget replaces the recipe's before the recipe is checked, so it also mends a bad one.
+    budget = [f"train.budget={args.budget}"] if args.budget else []
+    config = load_config(args.config, [*(args.set or []), *budget])
     trainer = Trainer(config, Path(args.data), Path(args.out), budget=args.budget,
                       resume=args.resume, progress=not args.quiet)
     summary = trainer.run()
@@ -132,8 +134,11 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(_negative_values_joined(sys.argv[1:] if argv is None else argv))
     from ember.data import DataError
 
+    from ember.process import sigterm_unwinds
+
     try:
-        return args.func(args)
+        with sigterm_unwinds():  # a scheduler's cancel unwinds as Ctrl-C does: temporary files are removed
+            return args.func(args)
     except (ConfigError, DataError) as err:
         print(f"ember: error: {err}", file=sys.stderr)
         return 2
@@ -142,17 +147,26 @@ def _run(argv: list[str] | None) -> int:
         # file where a folder should be, no permission, a full disk).
         name = str(err.filename or "")
         name = name[:-4] if name.endswith(".tmp") else name  # the atomic writer's temporary name
+        if isinstance(err, (FileExistsError, NotADirectoryError)) and Path(name).is_file():
+            print(f"ember: error: cannot use {name} as a folder: it is a file.", file=sys.stderr)
+            return 2
         print(f"ember: error: cannot use {name or 'a file'} ({err.strerror or err}).", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training's own handler is installed, or in a verb without one
-        print("ember: interrupted; what was written so far is complete (the same command continues a "
-              "preparation or, with --resume, a run)", file=sys.stderr)
+        print(f"ember: interrupted; {_after_interrupt(args)}", file=sys.stderr)
         return 128 + signal.SIGINT
     except SystemExit as stop:  # SIGTERM, unwound by process.sigterm_unwinds, says the same as Ctrl-C
         if stop.code == 128 + signal.SIGTERM:
-            print("ember: terminated; what was written so far is complete (the same command continues a "
-                  "preparation or, with --resume, a run)", file=sys.stderr)
+            print(f"ember: terminated; {_after_interrupt(args)}", file=sys.stderr)
         raise
+
+
+def _after_interrupt(args) -> str:
+    if args.verb == "train":
+        return "what was written so far is complete; the same command with --resume continues the run"
+    if args.verb == "data" and getattr(args, "data_verb", None) == "prepare":
+        return "what was written so far is complete; the same command continues the preparation"
+    return "nothing half-written was left"
 
 
 if __name__ == "__main__":

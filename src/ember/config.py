@@ -282,7 +282,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                 _set(config, f"{section_name}.{key}", value)
     for item in overrides:
         dotted, eq, value = item.partition("=")
-        if not eq:
+        if not eq or not dotted.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value.")
         _set(config, dotted.strip(), value.strip())
     validate(config)
@@ -350,7 +350,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.trackers takes \"tensorboard\", \"wandb\" and \"trackio\", "
                           f"not {', '.join(map(repr, unknown))}.")
     validate_parallel(config.parallel)
-    parse_budget(t.budget)
+    parse_budget(t.budget, "train.budget")
     parse_interval(t.eval_every, "train.eval_every")
     parse_interval(t.checkpoint_every, "train.checkpoint_every")
 

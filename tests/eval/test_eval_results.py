@@ -140,3 +140,10 @@ def test_a_diverged_task_keeps_the_scores_of_the_others(run, tmp_path, monkeypat
         run_glue(run, glue, tasks="cola,rte", seeds=2, progress=False, out=out)
     kept = json.loads(out.read_text())
     assert list(kept["tasks"]) == ["cola"] and len(kept["tasks"]["cola"]["per_seed"]) == 2
+
+
+def test_held_out_scoring_names_a_bad_data_folder_before_the_results_file(run, dataset, tmp_path, capsys):
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"]) == 0
+    capsys.readouterr()
+    code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(tmp_path / "nodata"), "--batches", "1"])
+    refused(capsys, code, "manifest")

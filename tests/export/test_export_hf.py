@@ -150,3 +150,27 @@ def test_exported_masked_lm_computes_embers_logits_and_fine_tunes(tmp_path, over
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_terminated_export_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    """A scheduler's cancel (SIGTERM) in the middle of writing the weights unwinds as Ctrl-C
+    does: no folder at --out and no hidden temporary folder beside it."""
+    import os
+    import signal
+
+    import safetensors.torch
+
+    make_run(tmp_path / "run", LLAMA)
+    real = safetensors.torch.save_file
+
+    def cancelled_half_way(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", cancelled_half_way)
+    (tmp_path / "exports").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "exports" / "hf")])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert "terminated; nothing half-written was left" in capsys.readouterr().err
+    assert list((tmp_path / "exports").iterdir()) == []

@@ -49,6 +49,8 @@ def _check_shard(data_dir: Path, shard: dict, seq_len: int, dtype: str) -> None:
         raise DataError(f"shard {path} is missing; prepare the data again.")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except PermissionError:
+        raise  # the file is fine, its permissions are not: the caller names it
     except (ValueError, OSError) as err:
         raise DataError(f"shard {path} is not a readable .npy file ({err}); prepare the data again.") from None
     if array.shape != (shard["sequences"], seq_len) or array.dtype != np.dtype(dtype):

@@ -108,6 +108,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"tokenizer file {path} does not exist; pass an existing tokenizer.json.")
+    open(path, "rb").close()  # unreadable: an OSError naming the file, not a malformed tokenizer
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for malformed files

@@ -29,11 +29,13 @@ def _cmd_glue(args) -> int:
 
 def _cmd_lm(args) -> int:
     from ember.atomic import write_text
-    from ember.eval.lm import evaluate_lm
+    from ember.data import load_manifest
+    from ember.eval.lm import check_data, evaluate_lm
     from ember.eval.results import check_lm_data, claim
     from ember.eval.run import open_run
 
     run = open_run(args.checkpoint)
+    check_data(run, load_manifest(Path(args.data)), Path(args.data))  # the inputs first, then where results go
     out = Path(args.out) if args.out else run.result_path("eval", "lm")
     earlier = claim(out, run.run_dir, "lm")
     if earlier is not None:

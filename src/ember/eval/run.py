@@ -96,8 +96,8 @@ def open_run(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Run
         raise ConfigError(f"{run_dir}/config.toml has no resolved model.vocab_size; it was not written by a run.")
     tok_path = Path(tokenizer) if tokenizer is not None else run_dir / "tokenizer.json"
     if tokenizer is None and not tok_path.is_file():
-        raise ConfigError(f"{run_dir} has no tokenizer.json; pass --tokenizer with the tokenizer.json "
-                          "of the data the run was trained on.")
+        raise ConfigError(f"{run_dir} has no tokenizer.json; copy the tokenizer.json of the data the run was "
+                          "trained on (data.json names its folder) into it.")
     tok = load_tokenizer(tok_path)
     tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
     vocab = vocabulary_size(tok)

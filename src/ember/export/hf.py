@@ -165,7 +165,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | N
     # and renamed, so a folder at `out` is always complete.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    tmp.mkdir()  # fails rather than reuse a folder that exists
+    try:
+        tmp.mkdir()  # fails rather than reuse a folder that exists
+    except OSError as err:  # named after --out: the temporary folder is ours, not the user's
+        raise OSError(err.errno, err.strerror, str(out)) from None
     try:
         tensors = _write(tmp, architecture, config, state, run)
         publish_dir(tmp, out)  # flushed, then renamed over the empty folder checked above

@@ -126,6 +126,8 @@ def load_model(model: nn.Module, path: Path) -> None:
         return
     if path.is_dir():
         path = path / "model.safetensors"  # a checkpoint of an older ember keeps one inside
+    if path.is_file():
+        open(path, "rb").close()  # unreadable: an OSError naming the file, not "other weights"
     try:
         # load_model re-ties the weights save_model stored once.
         load_safetensors(model, str(path), strict=True, device="cpu")
