@@ -83,7 +83,8 @@ CASES = [
     # export
     ("export-missing-run", ["export", "hf", "--checkpoint", "{missing}", "--out", "{root}/hf1"], "missing"),
     ("export-onto-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}"], "a_file"),
-    ("export-under-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}/x"], "as a folder: it is a file"),
+    ("export-under-a-file", ["export", "hf", "--checkpoint", "{run}", "--out", "{file}/x"],
+     "as a folder: it is a file"),
     ("export-onto-the-run", ["export", "hf", "--checkpoint", "{run}", "--out", "{run}"], "run"),
     ("export-missing-tokenizer", ["export", "hf", "--checkpoint", "{run}", "--out", "{root}/hf2", "--tokenizer",
                                  "{missing}.json"], "does not exist; pass an existing tokenizer.json"),
