@@ -3,7 +3,7 @@
 The expensive halves (hashing, MinHash signatures) run in the worker processes; the
 decisions (`seen`) run in the main process in input order, so the first copy of a
 document is the one kept whatever the worker count. Both indexes grow with the number
-of kept documents (8 bytes per document for exact dedup; for near dedup one LSH entry
+of kept documents (an 8-byte key per document for exact dedup, about 70 bytes in a Python set; for near dedup one LSH entry
 per band per document), the one part of preparation whose memory is not bounded.
 """
 

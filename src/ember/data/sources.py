@@ -81,12 +81,12 @@ def input_files(inputs: list) -> list[Path]:
         elif item.is_dir():
             found = sorted(p for p in item.rglob("*") if _readable(p))
             if not found:
-                raise DataError(f"folder {item} holds no .txt or .jsonl files, nor .parquet (plain, .gz or .zst); "
+                raise DataError(f"folder {item} holds no .txt, .jsonl or .json files (plain, .gz or .zst), nor .parquet; "
                                 "point at a folder of text files.")
             files += found
         elif item.is_file():
             if not file_format(item)[0]:
-                raise DataError(f"{item} is not a .txt or .jsonl file, nor .parquet (plain, .gz or .zst); "
+                raise DataError(f"{item} is not a .txt, .jsonl or .json file (plain, .gz or .zst), nor .parquet; "
                                 "convert it or rename it to one of those.")
             files.append(item)
         else:

@@ -5,13 +5,11 @@ BPE has none, so `a <sep> b <sep>`, and a masked LM (which pools the first posit
 gets a leading `<sep>` instead of [CLS] so that its first token is always the same.
 Pairs longer than the limit lose tokens from the longer side first (`longest_first`).
 
-Padding: ember's Transformer attends to every position it is given, so padding is kept
-out of the way rather than masked. Evaluation batches hold sequences of exactly one
-length (no padding at all, so predictions do not depend on batching). Training batches
-are bucketed: examples are shuffled, sorted by length within windows of 50 batches, cut
-into batches and the batches shuffled, then right-padded to their longest member. A
-causal model never sees right padding from earlier positions; a masked LM attends to
-the few pad tokens a bucketed batch holds (see docs/evaluation.md).
+Padding: evaluation batches hold sequences of exactly one length (no padding at all, so
+predictions do not depend on batching). Training batches are bucketed: examples are
+shuffled, sorted by length within windows of 50 batches, cut into batches and the batches
+shuffled, then right-padded to their longest member, which the classifier keeps out of
+attention with a key-padding mask and out of its pooling (see docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the whole input, so the two objectives are compared on equal terms. "mean" avera
 real tokens' hidden states instead: a briefly pretrained masked LM has learned nothing at
 its first position (masked-token prediction never asks it for the sentence), while every
 token's state carries what pretraining taught. Either way the pooled state goes through the
-model's own final norm, then BERT's pooler (dense + tanh), dropout and a linear layer.
+model's own final norm, then dropout, BERT's pooler (dense + tanh), dropout again and a
+linear layer.
 The pooler is new and randomly initialised: ember pretrains no next-sentence task.
 
 The step path reads nothing back from the device: the examples are padded into one array
