@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = _run(argv)
+    try:
+        code = _run(argv)
+    except SystemExit as stop:  # SIGTERM unwound (status 143)
+        if not under_torchrun():
+            raise
+        code = stop.code if isinstance(stop.code, int) else 1
     if under_torchrun():
         leave(code)  # without interpreter finalization, where gloo can abort a finished run
     return code

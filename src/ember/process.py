@@ -23,6 +23,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -60,7 +61,11 @@ def _exit_on_signal(signum, frame) -> None:
 
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
-    """Within it, SIGTERM raises SystemExit(143) instead of killing the process outright."""
+    """Within it, SIGTERM raises SystemExit(143) instead of killing the process outright.
+    Only the main thread can take signals: called from another, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         yield

@@ -108,4 +108,10 @@ def run_parallel(units: list[Unit], jobs: int, lines: bool) -> list[dict]:
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
                              initargs=(threads,)) as pool:
         futures = {i: pool.submit(_work, (units[i], lines)) for i in order}
-        return [futures[i].result() for i in range(len(units))]
+        try:
+            return [futures[i].result() for i in range(len(units))]
+        except BaseException:  # Ctrl-C, SIGTERM, a failed unit: the queued fine-tunes are not wanted
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in list((pool._processes or {}).values()):  # no public way to stop running ones
+                process.terminate()
+            raise

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -117,20 +118,14 @@ def set_aside(run_dir: Path, from_step: int) -> None:
             path.rename(target)
 
 
-def set_aside_names(run_dir: Path) -> list[str]:
-    """Checkpoints a user or a spike set aside (NAME.damaged, NAME.after-spike): --resume
-    passes over them, but they show that the run got that far."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir()
-                  if p.name.startswith(PREFIX) and "." in p.name and not p.name.endswith(".tmp"))
-
-
-def remove_unfinished(run_dir: Path) -> None:
-    """Rank 0, before a run (re)starts: checkpoints and files a killed save left under their
-    temporary names. Nothing reads them, and a checkpoint's can be as large as the model."""
-    for leftover in [*Path(run_dir).glob("*.tmp"), *Path(run_dir).glob("checkpoints/*.tmp")]:
+def remove_unfinished(run_dir: Path, run_files: Iterable[str]) -> None:
+    """Rank 0, before a run (re)starts: checkpoints and run files (`run_files`) a killed save
+    left under their temporary names. Nothing reads them, and a checkpoint's can be as large
+    as the model. Only ember's own names: anything else is a user's, or another command's."""
+    run_dir = Path(run_dir)
+    for leftover in [*run_dir.glob(f"checkpoints/{PREFIX}*.tmp"), *(run_dir / f"{n}.tmp" for n in run_files)]:
+        if not leftover.exists():
+            continue
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
         else:

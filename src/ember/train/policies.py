@@ -57,8 +57,10 @@ class Policy:
 
 
 class StopOnSignal(Policy):
-    """SIGINT/SIGTERM become a request to save and stop at the next step boundary; a second
-    signal falls back to the default behaviour (the process ends at once)."""
+    """SIGINT/SIGTERM become a request to save and stop at the next step boundary. A second
+    Ctrl-C falls back to what it did before (the user insists: the process ends at once);
+    a second SIGTERM is ignored, since Slurm signals torchrun and every worker of a step
+    within milliseconds, and the first one's checkpoint must still be written."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -70,8 +72,10 @@ class StopOnSignal(Policy):
         return self
 
     def _handle(self, signum, frame):
-        self.signal = signum
-        self._restore()
+        if self.signal is None:
+            self.signal = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, self._old[signal.SIGINT])
 
     def _restore(self) -> None:
         for sig, old in self._old.items():

@@ -158,15 +158,26 @@ def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -
     saves = run_dir / "checkpoints"
     if saves.is_dir() and not os.access(saves, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write checkpoints into {saves} (not writable); fix its permissions first.")
-    got_further = checkpoint.set_aside_names(run_dir) + sorted(present & {"model.safetensors", "summary.json"})
-    if newest is None and got_further:
-        # Starting again from step 0 would overwrite what the run reached.
-        raise ConfigError(f"{run_dir} holds a run ({', '.join(got_further[:3])}) but no checkpoint to resume from; "
-                          "rename a set-aside checkpoint back to step_N, or start again with another --out.")
+    if newest is None:
+        _check_nothing_reached(run_dir)
     if newest is not None:
         check_resume_config(config, run_dir / "config.toml")
         check_resume_data(manifest, run_dir / "data.json")
     return newest
+
+
+def _check_nothing_reached(run_dir: Path) -> None:
+    """--resume with no checkpoint starts the run from step 0: right for a job killed before
+    its first checkpoint, and after a loss spike before any (its checkpoints set aside
+    `.after-spike` hold the spiked weights). Not when the run got further than that: a
+    finished model, or checkpoints a user set aside as damaged, would be overwritten."""
+    saves = run_dir / "checkpoints"
+    reached = [p.name for p in saves.glob("*.damaged")] if saves.is_dir() else []
+    if (run_dir / "model.safetensors").is_file():
+        reached.append("model.safetensors")
+    if reached:
+        raise ConfigError(f"{run_dir} holds a run that got further ({', '.join(sorted(reached)[:3])}) but no intact "
+                          "checkpoint to resume from; start again with another --out, so that nothing is overwritten.")
 
 
 def finished_summary(run_dir: Path, newest: Path | None, done) -> dict | None:

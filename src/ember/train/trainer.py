@@ -168,7 +168,9 @@ class Trainer:
             self.train_data.load_state_dict(state["data"])
             self.scaler.load_state_dict(state.get("loss_scale"))
         if self.topo.is_main:
-            checkpoint.remove_unfinished(self.run_dir)
+            # Only what the trainer itself writes: `ember report` or `ember eval` may be writing beside it.
+            checkpoint.remove_unfinished(self.run_dir, ("config.toml", "data.json", "tokenizer.json", "metrics.jsonl",
+                                                        "summary.json", "model.safetensors"))
             self._write_run_files()
         resume_step = progress.step if self.resume_from is not None else None
         log = (MetricsLog(self.run_dir / "metrics.jsonl", resume_step=resume_step,
@@ -204,6 +206,9 @@ class Trainer:
         # one's; a step slower than the next (a busy host, a compile) must not send the
         # schedule back.
         read_at = 0.0
+        # A step's time runs from the last agreement to this one, less the evaluations and
+        # checkpoints between: so it covers the device's catching up at a logged step.
+        since = clock.local()
         while not progress.done(self.budget):
             fraction = progress.fraction(self.budget)
             n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
@@ -214,12 +219,12 @@ class Trainer:
             self.profiler.enabled = self.timer.enabled and profiled(t.breakdown, self.world,
                                                                     (progress.step + 1) // t.log_every)
             throughput.start()
-            began = clock.local()
             with self.profiler.step():
                 loss, grad_norm, count = self.train_step(n, lr)
             tokens = n * self.seq_len
             progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens
-            progress.elapsed_s, signal, progress.step_s = clock.agree(stop.signal, clock.local() - began)
+            progress.elapsed_s, signal, progress.step_s = clock.agree(stop.signal, clock.local() - since)
+            since = clock.local()
             logged = progress.step % t.log_every == 0 or progress.done(self.budget)
             throughput.stop(tokens, self.flops_per_token(self._predicted_fraction(count, tokens)) * tokens,
                             synchronise=logged)
@@ -230,6 +235,7 @@ class Trainer:
                           **self.scaler.log()}
                 log.write(record | self.timer.read() | reduce_over_ranks(self.profiler.read(), self.topo))
                 bar.update(1.0 if progress.done(self.budget) else progress.fraction(self.budget), _bar_stats(record))
+            held = clock.local()
             if self.evaluate.due(progress):
                 self._log_eval(progress, log)
             result = StepResult(progress, signal, loss, logged, self.train_data.position)
@@ -243,10 +249,10 @@ class Trainer:
                 return "stopped on a loss spike"
             if ROLLBACK in decisions:
                 read_at = 0.0  # a step or token budget goes back with the weights
-                continue
-            if checkpoints.due(progress):
+            elif checkpoints.due(progress):
                 self.save(progress)
                 checkpoints.done(progress)
+            since += clock.local() - held
         if self.evaluate.every.last_step != progress.step:
             self._log_eval(progress, log)
         self.save(progress)
