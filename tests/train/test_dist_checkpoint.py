@@ -177,6 +177,22 @@ def test_tied_weights_from_two_stages_are_stored_once(tmp_path):
     assert torch.equal(restored.embed.weight, tied.embed.weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_streamed_file_reads_back_as_safetensors_writes_it(tmp_path, dtype):
+    """The file is written a tensor at a time behind a header made first: every tensor, its
+    dtype and shape, and an untied head of the embedding's shape are what safetensors reads."""
+    from safetensors.torch import load_file
+
+    cfg = worker.CFG.__class__(**{**worker.CFG.__dict__, "tie_embeddings": False})
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    save_model([model], tmp_path / "model.safetensors")
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    expected = model.state_dict()
+    assert sorted(stored) == sorted(expected)
+    assert all(stored[k].dtype == dtype and torch.equal(stored[k], expected[k]) for k in expected)
+
+
 def _tied_config():
     return worker.CFG.__class__(**{**worker.CFG.__dict__, "tie_embeddings": True})
 

@@ -8,6 +8,9 @@ one-process model from that file or from a checkpoint folder (an interrupted run
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,6 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_model as load_safetensors
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -31,49 +33,122 @@ def save_model(parts: list[nn.Module], path: Path) -> None:
     one safetensors file at `path`, written by rank 0; every rank calls it.
 
     Tensors travel one at a time: each is gathered whole from its shards by the ranks that
-    hold it, the lowest of them sends it to rank 0, and the others drop it at once. So no
-    rank but 0 ever holds more than its shards and one whole tensor, and rank 0 holds the
-    model (which the one file needs) and nothing per rank."""
+    hold it, the lowest of them sends it to rank 0, and the others drop it at once. Rank 0
+    learns every tensor's name and shape first, so it writes the file's header up front and
+    each tensor as it arrives: no rank ever holds more than its shards and one whole tensor
+    (rank 0 two more, the embedding and a head that may be tied to it)."""
     local: dict[str, Any] = {}
     for part in parts:
         local.update(get_model_state_dict(part))
     names = sorted(local)
-    if world() == 1:
-        _write({name: full_tensor(local[name]).detach().to("cpu") for name in names}, Path(path))
+    mine = [(n, tuple(local[n].shape), local[n].dtype, _device_type(local[n])) for n in names]
+    leaders, leader = {0: 0}, True
+    if world() > 1:
+        # Ranks holding the same names (the ranks of one pipeline stage) form one group, led
+        # by its lowest rank; one 8-byte key per rank says which group a rank is in.
+        key = torch.tensor([_names_key(names)], dtype=torch.int64)
+        keys = [torch.zeros_like(key) for _ in range(world())]
+        dist.all_gather(keys, key)
+        leaders = {}  # group key -> its lowest rank
+        for r, k in enumerate(keys):
+            leaders.setdefault(int(k), r)
+        leader = leaders[int(key)] == rank()
+    if rank() > 0:
+        if leader:
+            dist.send_object_list([mine], dst=0)
+        for name in names:  # every holder joins each gather in the same (sorted) order
+            tensor = full_tensor(local[name]).detach()
+            if leader:
+                dist.send(tensor.contiguous(), dst=0)
+            del tensor
+        barrier()
         return
-    # Ranks holding the same names (the ranks of one pipeline stage) form one group, led by
-    # its lowest rank; one 8-byte key per rank says which group a rank is in.
-    key = torch.tensor([_names_key(names)], dtype=torch.int64)
-    keys = [torch.zeros_like(key) for _ in range(world())]
-    dist.all_gather(keys, key)
-    leaders: dict[int, int] = {}  # group key -> its lowest rank
-    for r, k in enumerate(keys):
-        leaders.setdefault(int(k), r)
-    leader = leaders[int(key)] == rank()
-    gathered: dict[str, torch.Tensor] = {}
-    if leader and rank() > 0:
-        dist.send_object_list([[(n, tuple(local[n].shape), local[n].dtype, _device_type(local[n])) for n in names]],
-                              dst=0)
-    # Every holder joins each gather in the same (sorted) order; rank 0 handles its own
-    # group first, then receives the other leaders' tensors in rank order. All ranks take
-    # their steps in one global order, so none waits on a step that waits on it.
-    for name in names:
-        tensor = full_tensor(local[name]).detach()
-        if leader and rank() == 0:
-            gathered[name] = tensor.to("cpu")
-        elif leader:
-            dist.send(tensor.contiguous(), dst=0)
-        del tensor
-    if rank() == 0:
-        for source in sorted(set(leaders.values()) - {0}):
-            listing: list[Any] = [None]
-            dist.recv_object_list(listing, src=source)
-            for name, shape, dtype, device_type in listing[0]:
+    # Rank 0 takes the listings, then its own group's tensors, then each other leader's in
+    # rank order. Every rank takes its steps in that one global order: none waits on a step
+    # that waits on it.
+    sources = sorted(set(leaders.values()) - {0})
+    listings = {0: mine}
+    for source in sources:
+        received: list[Any] = [None]
+        dist.recv_object_list(received, src=source)
+        listings[source] = received[0]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        writer = _Writer(handle, [entry for source in [0, *sources] for entry in listings[source]])
+        for name in names:
+            writer.add(name, full_tensor(local[name]).detach())
+        for source in sources:
+            for name, shape, dtype, device_type in listings[source]:
                 buffer = torch.empty(shape, dtype=dtype, device=_receiving_device(device_type))
                 dist.recv(buffer, src=source)
-                gathered.setdefault(name, buffer.to("cpu"))
-        _write(gathered, Path(path))
+                writer.add(name, buffer)
+        writer.finish()
     barrier()
+
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+class _Writer:
+    """A safetensors file written one tensor at a time, in the order they arrive. The header
+    (every name's dtype, shape and place) is known from the listings and written last into
+    room kept for it at the start. A head of the embedding's shape goes last: when it
+    equals the embedding (tied weights, sent by two stages) it is stored once and named in
+    the metadata, as safetensors' own save_model does, so that its load_model re-ties them."""
+
+    def __init__(self, handle, listing: list[tuple]):
+        self.handle = handle
+        self.entries: dict[str, tuple[list[int], torch.dtype]] = {}
+        for name, shape, dtype, _device in listing:
+            self.entries.setdefault(name, (list(shape), dtype))
+        self.tie = "embed.weight" in self.entries and self.entries.get("head.weight") == self.entries["embed.weight"]
+        last = ["head.weight"] if self.tie else []
+        order = [n for n in self.entries if n not in last] + last
+        self.offsets, at = {}, 0
+        for name in order:
+            shape, dtype = self.entries[name]
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.offsets[name], at = (at, at + size), at + size
+        self.held: dict[str, torch.Tensor] = {}
+        self.written = 0
+        self.room = max(len(self._header(tied)) for tied in (False, True))
+        self.room += -self.room % 8  # safetensors aligns the data to 8 bytes
+        handle.write(b"\0" * (8 + self.room))
+
+    def _header(self, tied: bool) -> bytes:
+        metadata = {"format": "pt"} | ({"head.weight": "embed.weight"} if tied else {})
+        header: dict[str, Any] = {"__metadata__": metadata}
+        for name, (shape, dtype) in self.entries.items():
+            if not (tied and name == "head.weight"):
+                header[name] = {"dtype": _DTYPES[dtype], "shape": shape, "data_offsets": list(self.offsets[name])}
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.held or self.offsets[name][0] < self.written:
+            return  # a second copy of a name already written
+        if self.tie and name in ("embed.weight", "head.weight"):
+            self.held[name] = tensor.to("cpu", copy=True)
+            if name == "head.weight":
+                return
+        if self.offsets[name][0] != self.written:
+            raise RuntimeError(f"{name} arrived out of the order its listing gave")
+        self._put(tensor)
+
+    def _put(self, tensor: torch.Tensor) -> None:
+        data = tensor.detach().contiguous().to("cpu").reshape(-1).view(torch.uint8).numpy()
+        self.handle.write(data)
+        self.written += data.nbytes
+
+    def finish(self) -> None:
+        tied = self.tie and torch.equal(self.held["embed.weight"], self.held["head.weight"])
+        if self.tie and not tied:
+            self._put(self.held["head.weight"])
+        header = self._header(tied)
+        self.handle.seek(0)
+        self.handle.write(struct.pack("<Q", self.room) + header + b" " * (self.room - len(header)))
 
 
 def _names_key(names: list[str]) -> int:
@@ -91,30 +166,6 @@ def _receiving_device(device_type: str) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
-
-
-def _write(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    # Stages on different ranks hold tied embedding and head as two equal copies; the plain
-    # model holds one tensor, so store it once as safetensors' save_model does, or its
-    # load_model refuses the file.
-    embed, head = tensors.get("embed.weight"), tensors.get("head.weight")
-    if embed is not None and head is not None and embed is not head and torch.equal(embed, head):
-        tensors["head.weight"] = embed
-    # Names sharing one tensor keep the alphabetically first, the others are recorded in the
-    # metadata, exactly as safetensors' save_model does, so its load_model re-ties them.
-    metadata = {"format": "pt"}
-    kept: dict[tuple, str] = {}
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if tensor.numel() > 0 and where in kept:
-            metadata[name] = kept[where]
-            del tensors[name]
-        else:
-            kept.setdefault(where, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def load_model(model: nn.Module, path: Path) -> None:
