@@ -119,8 +119,8 @@ def test_bad_inputs_are_refused(tmp_path):
         list(iter_documents([tmp_path / "missing.txt"]))
     (tmp_path / "only").mkdir()
     (tmp_path / "only" / "readme.md").write_text("nothing usable")
-    with pytest.raises(DataError, match="no .txt or .jsonl"):
+    with pytest.raises(DataError, match="no .txt, .jsonl or .json files"):
         list(iter_documents([tmp_path / "only"]))
     (tmp_path / "data.csv").write_text("a,b")
-    with pytest.raises(DataError, match="not a .txt or .jsonl"):
+    with pytest.raises(DataError, match="not a .txt, .jsonl or .json file"):
         list(iter_documents([tmp_path / "data.csv"]))
