@@ -3,7 +3,7 @@
 Ranks must take the same decisions (stop, evaluate, save) at the same step, so under
 torchrun they adopt the slowest rank's clock and stop when any rank was signalled; both
 travel in one small all-reduce per step over gloo, off the GPU's stream. Its latency
-grows with the ranks (tens of ms over thousands of hosts), but only the host waits: a step
+grows with the ranks (gloo passes it around a ring of hosts), but only the host waits: a step
 that is not logged never waits for the device, so the GPU keeps working through the steps
 already queued as long as the host's own time per step stays below the GPU's. Throughput
 (tokens/s, MFU) is measured over the steps between two log lines, the last of which is

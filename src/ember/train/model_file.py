@@ -110,7 +110,7 @@ class _Writer:
         self.offsets, at = {}, 0
         for name in order:
             shape, dtype = self.entries[name]
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             self.offsets[name], at = (at, at + size), at + size
         self.held: dict[str, torch.Tensor] = {}
         self.written = 0
