@@ -205,7 +205,7 @@ def test_fsdp_gradients_are_reduced_block_by_block():
         return stage_memory(model, layout, shape, 0, 2, "flash", 80 * 2**30, stack=stack)
 
     one_zero1, one_zero2 = mem(1, 8, Stack()), mem(2, 8, Stack())
-    assert one_zero1.grads == pytest.approx(params * 2 / 8) == one_zero2.grads
+    assert one_zero1.grads == pytest.approx(params * 4 / 8) == one_zero2.grads  # fp32 shards
     assert one_zero1.buffers == pytest.approx(one_zero2.buffers)
     assert mem(1, 4, Stack()).grads == pytest.approx(params * 2)  # two micro-batches: accumulated whole
     assert mem(1, 8, MEGATRON).grads == pytest.approx(params * 2)
@@ -235,7 +235,7 @@ def test_an_fsdp_pipeline_stage_reduces_once_a_step():
     assert mem(3, fsdp).weights == pytest.approx(params * 2)  # gathered (bf16); the shards are fp32 masters
     assert mem(2, megatron).grads == pytest.approx(params * 4 / 4)
     assert mem(3, megatron).weights == pytest.approx(params * 2 / 4)
-    assert mem(3, fsdp, pp=1).weights == pytest.approx(total_params(model) * 2 / 4)  # no pipeline: resharded
+    assert mem(3, fsdp, pp=1).weights == 0  # no pipeline: resharded, and the shards are the masters
 
 
 @pytest.mark.parametrize("tp,sp,expected_over_h", [
@@ -273,3 +273,33 @@ def test_torchtitans_llama_8b_peak_is_near_what_it_measured():
         for precision in ("bf16", "fp8"):
             mem = memory(llama, layout, TrainShape(8192, 2 * gpus, precision), gpu, 2, "flash", fsdp)
             assert 0.85 * measured < mem.total / 2**30 < 1.05 * measured
+
+
+@pytest.mark.parametrize("zero,micro_batches,kept", [
+    (0, 1, 4),  # DDP: the fp32 parameters' gradients; the bf16 reduction is a cast copy per bucket
+    (2, 4, 4),  # ZeRO-2: FSDP2 casts each reduced shard back to its fp32 parameter's dtype
+    (3, 4, 4),
+    (1, 1, 4),  # ZeRO-1 with one micro-batch: reduced at once, fp32 shards
+    (1, 4, 2),  # ZeRO-1 accumulating over micro-batches: whole gradients in the reduce dtype
+])
+def test_bf16_reduction_keeps_fp32_gradients_where_fsdp_does(zero, micro_batches, kept):
+    """`parallel.grad_dtype = "bf16"` halves the bytes on the wire, not the bytes ember keeps
+    (parallel/data.py; tests/parallel/test_grad_dtype.py checks the dtypes on two ranks)."""
+    model, shape = PRESETS["llama2-7b"], TrainShape(4096, 4 * micro_batches)
+    layout = Layout(dp_shard=4, zero=zero, micro_batch=1)
+    mem = stage_memory(model, layout, shape, 0, 2, "flash", 80 * 2**30, stack=Stack(grad_dtype="bf16"))
+    sharded = zero >= 2 or (zero == 1 and micro_batches == 1)
+    assert mem.grads == pytest.approx(total_params(model) * kept / (4 if sharded else 1))
+
+
+def test_mixed_precision_zero3_keeps_twelve_bytes_per_parameter_shard():
+    """FSDP2's ZeRO-3 keeps fp32 shards, which are the master weights, and Adam's two fp32
+    moments: 12 bytes per parameter over the shard ranks, no bf16 copy. DeepSpeed's ZeRO-3
+    keeps a bf16 shard besides its fp32 master partition: 14."""
+    model, shape = PRESETS["llama2-7b"], TrainShape(4096, 8)
+    layout = Layout(dp_shard=8, zero=3, micro_batch=1)
+    params = total_params(model)
+    fsdp = stage_memory(model, layout, shape, 0, 4, "flash", 80 * 2**30, stack=Stack())
+    deepspeed = stage_memory(model, layout, shape, 0, 2, "flash", 80 * 2**30, stack=Stack(per_block_grads=False))
+    assert fsdp.weights + fsdp.optimizer == pytest.approx(params * 12 / 8)
+    assert deepspeed.weights + deepspeed.optimizer == pytest.approx(params * 14 / 8)

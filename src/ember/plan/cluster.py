@@ -51,7 +51,9 @@ class Stack:
     `attention`: "flash" (fused kernel, no s×s matrix in memory; ember uses PyTorch SDPA)
     or "unfused" (softmax materialised, as Megatron-LM did before FlashAttention).
     `grad_dtype`: "bf16" gradients (16 bytes/param with Adam), or "fp32" main gradients
-    (Megatron-LM's default with bf16: 18 bytes/param, gradients reduced in fp32).
+    (Megatron-LM's default with bf16: 18 bytes/param, gradients reduced in fp32). An FSDP
+    stack (`per_block_grads`) keeps fp32 gradients either way except where they accumulate
+    whole over micro-batches (plan/memory.py); its bf16 only halves the bytes on the wire.
     `overlap_grad_reduce`: data-parallel gradient reduction runs during the backward pass of
     the last micro-batch (DDP/FSDP buckets); `overlap_param_gather`: ZeRO-1/2 parameter
     gathers after the optimizer step and ZeRO-3 gathers run ahead of the compute that needs

@@ -273,13 +273,24 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     # weights stay gathered from the first forward on (beside their shards, which are the
     # fp32 masters in mixed precision).
     deferred = defers_reduction(layout, stack)
-    weights = params * (4 if fp32 else WEIGHT_BYTES) / (shard if layout.zero >= 3 else 1)
+    # An FSDP stack (`per_block_grads`) keeps no bf16 shard under ZeRO-3: its fp32 shards are
+    # the master weights, counted with the optimizer. DeepSpeed keeps a bf16 shard besides.
+    weights = params * (4 if fp32 else WEIGHT_BYTES)
+    if layout.zero >= 3:
+        weights = 0.0 if stack.per_block_grads and not fp32 else weights / shard
     if deferred and layout.zero >= 3:
         weights = params * (4 * (1 + 1 / shard) if fp32 else WEIGHT_BYTES)
     # ZeRO-1 on an FSDP stack reduce-scatters at the step's last micro-batch: with only one,
     # the full gradients never exist at once.
     sharded_grads = not deferred and (layout.zero >= 2 or (layout.zero == 1 and m == 1 and stack.per_block_grads))
-    grads = params * grad_bytes / (shard if sharded_grads else 1)
+    # What an FSDP stack keeps is fp32 whatever crosses the wire: DDP's gradients are its
+    # fp32 parameters' (a bf16 reduction is a cast copy per bucket), and FSDP2 casts each
+    # reduced shard back to its fp32 parameter's dtype. Only gradients accumulated whole
+    # over the step's micro-batches (ZeRO-1, or any stage under a pipeline) stay in the
+    # reduce dtype. A persistent buffer (Megatron-LM, DeepSpeed) is in the reduce dtype.
+    accumulated_whole = layout.zero >= 1 and not sharded_grads
+    kept_bytes = 4 if stack.per_block_grads and not accumulated_whole else grad_bytes
+    grads = params * kept_bytes / (shard if sharded_grads else 1)
     optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
