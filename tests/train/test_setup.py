@@ -55,6 +55,21 @@ def test_resume_refuses_a_changed_recipe_but_accepts_a_longer_budget(tmp_path):
                             tmp_path / "config.toml")
 
 
+def test_resume_compares_precision_as_the_device_resolves_it(tmp_path):
+    """`ember plan` prints train.precision=fp32 for a CPU; a run recorded with "auto" ran in
+    fp32 there, so that command resumes it. bf16 is another run."""
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["model.vocab_size=512"])))
+    cpu = torch.device("cpu")
+    check_resume_config(load_config(None, ["model.vocab_size=512", "train.precision=fp32"]),
+                        tmp_path / "config.toml", cpu)
+    with pytest.raises(ConfigError, match="train.precision is 'bf16'"):
+        check_resume_config(load_config(None, ["model.vocab_size=512", "train.precision=bf16"]),
+                            tmp_path / "config.toml", cpu)
+    with pytest.raises(ConfigError, match="train.precision is 'fp32'"):  # no device: nothing to resolve with
+        check_resume_config(load_config(None, ["model.vocab_size=512", "train.precision=fp32"]),
+                            tmp_path / "config.toml")
+
+
 def test_a_run_resumed_with_another_micro_batch_takes_the_same_steps(dataset, tmp_path):
     def train(run, micro, resume=False):
         cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + [f"train.micro_batch={micro}",

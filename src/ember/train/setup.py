@@ -15,6 +15,7 @@ import torch
 from ember.atomic import TMP_SUFFIX
 from ember.config import Config, ConfigError, OptimConfig
 from ember.data.manifest import has_document_boundaries
+from ember.device import autocast_dtype
 from ember.train import checkpoint
 
 
@@ -90,8 +91,20 @@ _MAY_CHANGE = {
                                     "grad_dtype"))}
 
 
-def check_resume_config(config: Config, saved_path: Path) -> None:
-    """A resumed run must be the same run: refuse changes that would alter its losses."""
+def _same_on(device: torch.device | None, section: str, key: str, old, new) -> bool:
+    """Whether two precisions are one on `device`: "auto" is fp32 on a CPU, so a run
+    recorded with "auto" resumes with "fp32" there (as the planner's command spells it)."""
+    if (section, key) != ("train", "precision") or device is None:
+        return False
+    try:
+        return autocast_dtype(old, device) == autocast_dtype(new, device)
+    except ConfigError:  # a precision this device cannot run is refused where it is chosen
+        return False
+
+
+def check_resume_config(config: Config, saved_path: Path, device: torch.device | None = None) -> None:
+    """A resumed run must be the same run: refuse changes that would alter its losses.
+    Settings the `device` resolves (train.precision) are compared as resolved."""
     if not saved_path.exists():
         return
     try:
@@ -104,7 +117,7 @@ def check_resume_config(config: Config, saved_path: Path) -> None:
             if (section, key) in _MAY_CHANGE:
                 continue
             old = saved.get(section, {}).get(key)
-            if old is not None and old != value:
+            if old is not None and old != value and not _same_on(device, section, key, old, value):
                 raise ConfigError(
                     f"{section}.{key} is {value!r} but the run being resumed used {old!r}; "
                     f"resume with the same setting or start a new run in another --out."
@@ -139,7 +152,8 @@ RUN_FILES = {"config.toml", "data.json", "tokenizer.json", "metrics.jsonl", "che
              "trackio"}
 
 
-def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -> Path | None:
+def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool,
+                  device: torch.device | None = None) -> Path | None:
     """The checkpoint to resume from (None for a fresh run). A run directory that already
     holds a run is never restarted without --resume, a resumed run must be the same run,
     and a folder that holds other files is never written into."""
@@ -161,7 +175,7 @@ def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool) -
     if newest is None:
         _check_nothing_reached(run_dir)
     if newest is not None:
-        check_resume_config(config, run_dir / "config.toml")
+        check_resume_config(config, run_dir / "config.toml", device)
         check_resume_data(manifest, run_dir / "data.json")
     return newest
 

@@ -59,7 +59,7 @@ class Trainer:
         self.world, self.rank, local_rank = env_world()
         self.device = pick_device(cfg.train.device)
         self.parallel = check_run(cfg, self.world, self.seq_len, self.device.type)
-        self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume)
+        self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume, self.device)
         # A requeued job whose run had already finished: nothing to build, write or train.
         self.finished = finished_summary(self.run_dir, self.resume_from,
                                          lambda progress: Progress(**progress).done(self.budget))
