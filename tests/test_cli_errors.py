@@ -161,3 +161,29 @@ def test_a_fractional_step_budget_is_refused():
     assert parse_budget("2steps").amount == 2
     with pytest.raises(ConfigError, match="not a whole number of steps"):
         parse_budget("1.5steps")
+
+
+@pytest.mark.parametrize("began", [False, True])
+def test_a_terminated_train_says_whether_there_is_a_run_to_resume(dataset, tmp_path, capsys, monkeypatch, began):
+    """Under torchrun, a rank that refuses its input ends the job and its peers are sent
+    SIGTERM while still checking theirs: they must not claim a run to resume."""
+    import os
+    import signal
+
+    import ember.train.trainer as trainer_module
+
+    class Cancelled:
+        def __init__(self, *args, **kwargs):
+            if not began:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def run(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(trainer_module, "Trainer", Cancelled)
+    with pytest.raises(SystemExit) as stop:
+        main(_train(dataset, tmp_path))
+    assert stop.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert ("--resume continues the run" in err) is began
+    assert ("training had not begun, so nothing was changed" in err) is not began

@@ -25,6 +25,7 @@ def _cmd_train(args) -> int:
     config = load_config(args.config, [*(args.set or []), *budget])
     trainer = Trainer(config, Path(args.data), Path(args.out), budget=args.budget,
                       resume=args.resume, progress=not args.quiet)
+    args.training_began = True  # what an interrupt from here on leaves is a run to resume
     summary = trainer.run()
     trainer.close()
     if trainer.rank == 0:  # under torchrun, one summary for the whole run
@@ -167,6 +168,9 @@ def _run(argv: list[str] | None) -> int:
 
 
 def _after_interrupt(args) -> str:
+    if args.verb == "train" and not getattr(args, "training_began", False):
+        # Under torchrun, the peers of a rank that refused its input are stopped here.
+        return "training had not begun, so nothing was changed"
     if args.verb == "train":
         return "what was written so far is complete; the same command with --resume continues the run"
     if args.verb == "data" and getattr(args, "data_verb", None) == "prepare":
