@@ -152,6 +152,19 @@ def test_wide_vocabularies_use_uint32(tmp_path):
     assert rows.dtype == np.uint32 and rows.tolist() == [[70_000, 99_999, 5, 0], [1, 2, 3, 4]]
 
 
+def test_a_partial_row_carries_over_between_batches_of_documents(tmp_path):
+    """Documents arrive in batches; the row a batch leaves unfinished is finished by the next
+    one's tokens, none lost or repeated. Each document ends in the separator (0)."""
+    writer = SplitWriter(tmp_path, "train", seq_len=4, dtype=token_dtype(100), sep_id=0, shard_sequences=10)
+    writer.add([[1, 2]])  # 1 2 0: no whole row yet
+    writer.add([[3, 4, 5]])  # 1 2 0 3 | 4 5 0
+    writer.add([[6, 7, 8, 9, 10]])  # 4 5 0 6 | 7 8 9 10 | 0
+    info = writer.finish()
+    rows = np.load(tmp_path / info["shards"][0]["file"])
+    assert rows.tolist() == [[1, 2, 0, 3], [4, 5, 0, 6], [7, 8, 9, 10]]
+    assert info["documents"] == 3 and info["sequences"] == 3
+
+
 def test_bad_arguments_are_refused_before_work(synthetic, tmp_path):
     good = dict(inputs=[synthetic[0]], out_dir=tmp_path / "o", progress=False)
     for bad, words in [(dict(seq_len=4), "at least 8"), (dict(val_fraction=0.5), "val_fraction"),

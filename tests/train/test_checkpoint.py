@@ -71,3 +71,16 @@ def test_a_flipped_byte_in_a_shard_is_named_before_loading(tmp_path):
     (folder / "checksums.json").write_text("[not a list")
     with pytest.raises(ConfigError, match="checksums.json is missing or does not match"):
         load(folder, [other], [other_opt])
+
+
+def test_a_listed_file_that_is_missing_is_named(tmp_path):
+    """A checkpoint whose checksums.json lists a file that is gone is damaged: the check
+    names the file rather than failing to open it."""
+    from ember.train.checksums import first_damaged, write
+
+    (tmp_path / "a.bin").write_bytes(b"a")
+    (tmp_path / "b.bin").write_bytes(b"b")
+    write(tmp_path)
+    assert first_damaged(tmp_path) is None
+    (tmp_path / "b.bin").unlink()
+    assert first_damaged(tmp_path) == "b.bin"

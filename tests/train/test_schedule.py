@@ -33,6 +33,10 @@ def test_warmup_stable_decay_and_constant():
     assert lr_factor(0.9, s) == pytest.approx(0.5)
     assert lr_factor(1.0, s) == pytest.approx(0.0)
     assert lr_factor(0.7, ScheduleConfig(lr="constant", warmup=0.0)) == 1.0
+    floor = ScheduleConfig(lr="wsd", warmup=0.1, decay=0.2, min_lr_ratio=0.1)
+    assert lr_factor(0.8, floor) == pytest.approx(1.0)
+    assert lr_factor(0.9, floor) == pytest.approx(0.55)  # halfway down to the floor
+    assert lr_factor(1.0, floor) == pytest.approx(0.1)
 
 
 def test_batch_ramp_in_whole_micro_batches():
