@@ -8,6 +8,7 @@ import torch
 
 from ember.data import Batches, DataError
 from ember.data.packing import save_shard
+from ember.data.shuffle import Permutation
 
 SEQ = 6
 
@@ -39,12 +40,44 @@ def _stream(batches: Batches, sizes) -> list[int]:
 def test_each_epoch_is_a_full_permutation_drawn_from_seed_and_epoch(tmp_path):
     m = _data(tmp_path)
     b = Batches(tmp_path, m, seed=5)
-    assert len(b) == 23 and all(isinstance(s, np.memmap) for s in b.shards)
+    assert len(b) == 23
     first, second = _ids(b.next(23)), _ids(b.next(23))
     assert sorted(first) == sorted(second) == list(range(23))
     assert first != second and first != list(range(23))
     assert b.epoch == 2
-    assert first == np.random.default_rng((5, 0)).permutation(23).tolist()
+    assert first == Permutation(23, 5, 0)[np.arange(23)].tolist()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 1000, 4097])
+def test_the_computed_permutation_is_a_bijection_for_any_size(n):
+    rows = Permutation(n, seed=3, epoch=1)[np.arange(n)]
+    assert sorted(rows.tolist()) == list(range(n))
+    assert rows.tolist() == Permutation(n, seed=3, epoch=1)[np.arange(n)].tolist()
+    if n >= 64:
+        assert rows.tolist() != Permutation(n, seed=3, epoch=2)[np.arange(n)].tolist()
+        assert rows.tolist() != list(range(n))
+
+
+def test_a_permutation_of_billions_of_rows_costs_only_what_is_read():
+    """15T tokens in rows of 4,096: a stored index would be 29 GB per rank. Reading a batch
+    computes its rows alone; they are distinct and spread over the whole split."""
+    n = 3_662_109_375
+    order = Permutation(n, seed=0, epoch=0)
+    rows = order[np.arange(1_000_000, 1_004_096)]
+    assert len(set(rows.tolist())) == 4096 and rows.min() >= 0 and rows.max() < n
+    assert rows.max() - rows.min() > n // 2  # not a local window
+    assert order[np.array([1_000_000])][0] == rows[0]
+
+
+def test_shards_are_opened_when_read_and_a_bounded_number_kept(tmp_path, monkeypatch):
+    import ember.data.loader as loader
+
+    monkeypatch.setattr(loader, "OPEN_SHARDS", 2)
+    m = _data(tmp_path)
+    b = Batches(tmp_path, m, seed=1)
+    assert b._open == {}  # nothing mapped before a batch asks for it
+    assert sorted(_stream(b, [23])) == list(range(23))  # all three shards read, two kept
+    assert len(b._open) == 2
 
 
 def test_same_seed_same_order_other_seed_other_order(tmp_path):
@@ -66,7 +99,7 @@ def test_resume_from_state_dict_continues_identically(tmp_path):
     a = Batches(tmp_path, m, seed=3)
     _stream(a, [8, 8, 8])
     state = a.state_dict()
-    assert state == {"position": 24, "seed": 3}
+    assert state == {"position": 24, "seed": 3, "shuffle": "feistel"}
     b = Batches(tmp_path, m, seed=0)
     b.load_state_dict(state)
     assert _stream(b, [8] * 5) == _stream(a, [8] * 5)
@@ -110,3 +143,21 @@ def test_fixed_is_the_first_sequences_in_file_order(tmp_path):
         empty.next(4)
     with pytest.raises(DataError, match="no 'test' split"):
         Batches(tmp_path, m, split="test")
+
+
+def test_a_state_saved_before_computed_orders_goes_on_in_its_own_order(tmp_path):
+    """A checkpoint whose data state has no "shuffle" was drawn with numpy's permutation:
+    resuming it keeps that order, so the epoch it is in still visits every row once."""
+    m = _data(tmp_path)
+    b = Batches(tmp_path, m, seed=5)
+    b.load_state_dict({"position": 10, "seed": 5})
+    assert _ids(b.next(13)) == np.random.default_rng((5, 0)).permutation(23)[10:].tolist()
+    assert "shuffle" not in b.state_dict()
+
+
+def test_a_shard_shorter_than_its_manifest_says_is_named(tmp_path):
+    m = _data(tmp_path)
+    m["splits"]["train"]["shards"][1]["sequences"] = 6
+    m["splits"]["train"]["sequences"] = 24
+    with pytest.raises(DataError, match="train_00001.npy holds"):
+        _stream(Batches(tmp_path, m, seed=0), [24])
