@@ -10,10 +10,11 @@ from dataclasses import fields
 _KINDS = {"bool": "true or false", "int": "a whole number", "float": "a finite number"}
 
 
-def checked_table(cls, table, where: str, error: type[Exception], *, skip=(), nonnegative: bool = False) -> dict:
+def checked_table(cls, table, where: str, error: type[Exception], *, skip=(), nonnegative: bool = False,
+                  positive=()) -> dict:
     """`table` with floats made floats, or `error` with one sentence naming `where`. An int
-    is taken where a float goes; numbers must be finite (and >= 0 with `nonnegative`); a text
-    field takes text, or nothing when its type allows None."""
+    is taken where a float goes; numbers must be finite (and >= 0 with `nonnegative`, above 0
+    for the names in `positive`); a text field takes text, or nothing when its type allows None."""
     if table is None:
         return {}
     if not isinstance(table, dict):
@@ -26,7 +27,7 @@ def checked_table(cls, table, where: str, error: type[Exception], *, skip=(), no
     for name, value in table.items():
         kind = known[name]
         number = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                  and (value >= 0 or not nonnegative))
+                  and (value >= 0 or not nonnegative) and (value > 0 or name not in positive))
         if kind == "bool":
             ok = isinstance(value, bool)
         elif kind == "int":
@@ -39,7 +40,9 @@ def checked_table(cls, table, where: str, error: type[Exception], *, skip=(), no
             ok = True
         if not ok:
             what = _KINDS.get(kind, "text")
-            if kind in ("int", "float") and nonnegative:
+            if kind in ("int", "float") and name in positive:
+                what += " above 0"
+            elif kind in ("int", "float") and nonnegative:
                 what += " >= 0"
             raise error(f"{where} {name} = {value!r} must be {what}.")
         if kind == "float":

@@ -131,12 +131,13 @@ def test_mistakes_get_one_sentence_and_status_2(args, words, capsys):
 @pytest.mark.parametrize("profile,words", [
     ({"gpu": {"name": "H100", "flops": 1}}, "has no setting flops"),
     ({"gpu": {"name": "H100"}, "stak": {}}, "unknown section(s) stak"),
-    ({"gpu": {"name": "H100", "matmul_eff": 0}}, "gpu.matmul_eff must be above 0"),  # was a ZeroDivisionError
+    ({"gpu": {"name": "H100", "matmul_eff": 0}}, "gpu matmul_eff = 0 must be a finite number above 0"),
+    ({"gpu": {"name": "H100", "matmul_eff": -1}}, "gpu matmul_eff = -1 must be a finite number above 0"),
     ({"gpu": {"name": "H100", "matmul_eff": 5}}, "gpu.matmul_eff is a share of gpu.peak_bf16_flops and at most 1"),
     ({"gpu": {"name": "H100", "hbm_eff": 1.5}}, "gpu.hbm_eff is a share of gpu.hbm_gbps"),
-    ({"gpu": {"name": "H100"}, "links": {"gpus_per_node": 0}}, "links.gpus_per_node must be above 0"),
+    ({"gpu": {"name": "H100"}, "links": {"gpus_per_node": 0}}, "links gpus_per_node = 0 must be a whole number above 0"),
     ({"gpu": {"name": "H100"}, "stack": {"attention": "sdpa"}}, "stack.attention must be one of flash, unfused"),
-    ({"gpu": {"name": "H100"}, "stack": {"kernel_eff": 0}}, "stack.kernel_eff must be above 0"),
+    ({"gpu": {"name": "H100"}, "stack": {"kernel_eff": 0}}, "stack kernel_eff = 0 must be a finite number above 0"),
     ({"gpu": {"name": "H100"}, "stack": {"host_s_per_kernel": -1e-6}}, "host_s_per_kernel = -1e-06 must be a finite number >= 0"),
     ({"gpu": {"name": "H100"}, "links": []}, "links must be a table of settings"),
     ({"gpu": {"name": "H100"}, "stack": {"name": "Ember"}}, "stack.name must be one of ember, "),

@@ -219,8 +219,17 @@ def _known_gpu(name: str) -> GPU:
     return gpu
 
 
+# Profile values that are rates or shares of one: zero would price work as never ending.
+POSITIVE = {"gpu": ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_gbps", "inter_gbps", "matmul_eff",
+                    "attn_eff", "hbm_eff"),
+            "links": ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff", "inter_eff"),
+            "stack": ("kernel_eff", "attention_eff")}
+
+
 def _fields(cls, values, where: str) -> dict:
-    return checked_table(cls, values, where, ConfigError, skip=("pattern", "matmul_times"), nonnegative=True)
+    section = where.rsplit(": ", 1)[-1]
+    return checked_table(cls, values, where, ConfigError, skip=("pattern", "matmul_times"), nonnegative=True,
+                         positive=POSITIVE.get(section, ()))
 
 
 def _matmul_times(section, path: Path) -> MatmulTimes:
@@ -281,12 +290,8 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
 def _check_profile(gpu: GPU, links: Links, stack: Stack, path: Path) -> None:
     """What a profile's values must be beyond their kinds: rates that are rates, shares of a
     datasheet figure that a measurement can reach, and names the planner knows."""
-    for where, obj, names in (("gpu", gpu, ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_gbps",
-                                            "inter_gbps", "matmul_eff", "attn_eff", "hbm_eff")),
-                              ("links", links, ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff",
-                                                "inter_eff")),
-                              ("stack", stack, ("kernel_eff", "attention_eff"))):
-        for name in names:
+    for where, obj in (("gpu", gpu), ("links", links), ("stack", stack)):
+        for name in POSITIVE[where]:
             if not getattr(obj, name) > 0:
                 raise ConfigError(f"profile file {path}: {where}.{name} must be above 0, not {getattr(obj, name)!r}.")
     for name, peak in (("matmul_eff", "peak_bf16_flops"), ("hbm_eff", "hbm_gbps")):
