@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import REPO
 from ember.cli import main
 from ember.plan.comm import Group, Links, p2p_s
 
@@ -104,4 +105,13 @@ def test_calibrate_refuses_a_model_plan_before_measuring(tmp_path, capsys, monke
     assert "divides evenly" in capsys.readouterr().err
     assert main(base + ["--global-batch", "8", "--seq-len", "0"]) == 2
     assert "--seq-len must be at least 1" in capsys.readouterr().err
+    # A recipe that takes its vocabulary from the data is given one with --set.
+    recipe = ["plan", "calibrate", "--out", str(out), "--quick", "--model", str(REPO / "configs/tiny-gpt.toml"),
+              "--global-batch", "8", "--gpus", "13"]
+    assert main(recipe) == 2
+    assert "--set model.vocab_size=N" in capsys.readouterr().err
+    assert main(recipe + ["--set", "model.vocab_size=512"]) == 2  # past the vocabulary, to the layout's check
+    assert "divides evenly" in capsys.readouterr().err
+    assert main(["plan", "calibrate", "--out", str(out), "--set", "model.layers=2"]) == 2
+    assert "give the model with --model" in capsys.readouterr().err
     assert not out.exists()

@@ -72,6 +72,8 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     calibrate.add_argument("--gpus", type=int, help="with --model: the GPUs the layouts are for (default: this node)")
     calibrate.add_argument("--seq-len", type=int, help="with --model: tokens per sequence (default: the model's)")
     calibrate.add_argument("--global-batch", type=int, help="with --model: sequences per optimizer step")
+    calibrate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                           help="with --model: override a recipe value, or a preset's shape (model.vocab_size=32000)")
     calibrate.set_defaults(func=run_calibrate, measure_tp_block=measure_tp_block)
 
 
@@ -279,7 +281,7 @@ def _command(p, model, recipe, cluster, shape, overrides=()) -> str | None:
 
 def _model_plan(args) -> tuple | None:
     """(model, GPUs, shape) whose matmuls a calibration times, checked before it measures."""
-    given = [f"--{k.replace('_', '-')}" for k in ("gpus", "seq_len", "global_batch") if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in ("gpus", "seq_len", "global_batch", "set") if getattr(args, k)]
     if args.model is None:
         if given:
             raise ConfigError(f"{', '.join(given)} only say which matmuls to time; give the model with --model.")
@@ -287,7 +289,7 @@ def _model_plan(args) -> tuple | None:
     from ember.plan.layout import TrainShape
     from ember.plan.models import resolve_model
 
-    model, _ = resolve_model(args.model)
+    model, _ = resolve_model(args.model, args.set)
     if args.global_batch is None:
         raise ConfigError("with --model, say the global batch (sequences per step) with --global-batch.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len

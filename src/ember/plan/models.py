@@ -89,8 +89,9 @@ PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in (
 def from_config(cfg: ModelConfig, name: str, mlm_rate: float = 0.15) -> ModelSpec:
     """The planner's view of a recipe's model; a sparse-prediction MLM predicts `mlm_rate`."""
     if cfg.vocab_size <= 0:
-        raise ConfigError(f"{name} leaves model.vocab_size to the data; set it so the planner can size "
-                          "the embedding and output layers.")
+        raise ConfigError(f"{name} leaves model.vocab_size to the data; give it with --set model.vocab_size=N "
+                          "(the prepared data's manifest.json says it) so the planner can size the embedding "
+                          "and output layers.")
     sparse = cfg.objective == "mlm" and cfg.sparse_prediction
     return ModelSpec(name, cfg.layers, cfg.hidden, cfg.heads, cfg.mlp_hidden, cfg.vocab_size,
                      kv_heads=cfg.kv_heads, activation=cfg.activation, objective=cfg.objective,
