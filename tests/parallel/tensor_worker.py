@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ember.config import ModelConfig
 from ember.model import Transformer
 from ember.model.transformer import IGNORE
+import ember.parallel.tensor as tensor_module
 from ember.parallel.tensor import apply_tensor_parallel, loss_parallel_context
 from ember.process import end_process_group, leave
 
@@ -97,6 +98,25 @@ def whole_model_step(model: nn.Module):
 
 
 GRAD_LAYOUTS: list[str] = []  # parameters whose gradient came back in another layout
+
+
+# Gradients that arrive whole for a parameter split over the ranks (DTensor's own embedding
+# made the whole vocabulary's on every rank): what the layout hook had to slice.
+ARRIVED_WHOLE: list[str] = []
+_in_layout = tensor_module._in_layout
+
+
+def _recording_in_layout(mesh, placements):
+    inner = _in_layout(mesh, placements)
+
+    def hook(grad):
+        if isinstance(grad, DTensor) and any(p.is_shard() for p in placements) and grad.placements != placements:
+            ARRIVED_WHOLE.append(f"{tuple(grad.shape)} as {grad.placements} for {placements}")
+        return inner(grad)
+    return hook
+
+
+tensor_module._in_layout = _recording_in_layout
 
 
 def check_grad_layouts(model: nn.Module) -> None:
@@ -227,7 +247,8 @@ def main(out_path: str) -> None:
 
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"cases": records, "grad_layouts": sorted(set(GRAD_LAYOUTS))}, f, indent=1)
+            json.dump({"cases": records, "grad_layouts": sorted(set(GRAD_LAYOUTS)),
+                       "arrived_whole": sorted(set(ARRIVED_WHOLE))}, f, indent=1)
     end_process_group()
 
 

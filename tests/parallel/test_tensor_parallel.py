@@ -69,6 +69,12 @@ def test_gradients_come_back_in_their_parameters_layout(results):
     assert results["grad_layouts"] == []
 
 
+def test_no_rank_makes_a_split_parameters_whole_gradient(results):
+    """The embedding looks up its own vocabulary shard, so its gradient is made as that
+    shard: no rank holds a vocab x hidden gradient (2.1 GB per rank at 128k x 8,192, bf16)."""
+    assert results["arrived_whole"] == []
+
+
 def _model(**overrides) -> ModelConfig:
     base = dict(vocab_size=1000, vocab_multiple=8, hidden=64, heads=8, mlp_hidden=256)
     return ModelConfig(**{**base, **overrides})
