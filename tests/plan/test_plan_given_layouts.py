@@ -32,6 +32,16 @@ def test_no_train_command_for_a_layout_embers_trainer_refuses(capsys):
     assert any("ember's trainer refuses this layout" in note for note in out["notes"])
 
 
+def test_another_stacks_layouts_get_no_note_about_a_command_they_do_not_have(capsys):
+    base = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch", "64", "--stack",
+            "megatron", "--layout", "tp=2,dp=4,zero=1,recompute=full", "--layout", "tp=4,dp=2,zero=1,recompute=full"]
+    out = plan_json(capsys, base)
+    assert out["best"]["command"] is None
+    assert not any("RECIPE.toml" in note for note in out["notes"]), out["notes"]
+    ember = plan_json(capsys, base[:-6] + base[-4:])  # the same two layouts for ember's trainer
+    assert ember["best"]["command"] and any("RECIPE.toml" in note for note in ember["notes"])
+
+
 def test_gpipe_without_stages_holds_one_micro_batch(capsys):
     """With one stage the trainer accumulates one micro-batch at a time whatever the schedule."""
     plain = plan_json(capsys, LLAMA + ["--layout", "dp=8,zero=1"])

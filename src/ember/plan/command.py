@@ -198,7 +198,7 @@ def run_plan(args) -> int:
         # A train command only for what ember's trainer runs; the notes say why there is none.
         trainable = p.fits and not problems(p.layout, model, shape.global_batch, cluster.n_gpus, ember=True)
         command = _command(p, model, recipe, cluster, shape, args.set) if trainable else None
-        notes = report.command_notes(model, recipe, p.layout, shape) if p.fits else []
+        notes = report.command_notes(model, recipe, p.layout, shape, command is not None) if p.fits else []
         if not p.fits:
             which = "the layout does not fit" if len(layouts) == 1 else "none of the layouts fits"
             notes.append(f"{which} in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
@@ -245,7 +245,8 @@ def run_plan(args) -> int:
                "layouts_fitting": len(result.ranked), "best": best.to_dict() | {"command": command},
                "ranked": [p.to_dict() for p in result.ranked[: args.top]],
                "within_interval_of_best": report.ties(result.ranked),
-               "notes": report.interval_notes(result.ranked) + report.command_notes(model, recipe)}
+               "notes": report.interval_notes(result.ranked) + report.command_notes(model, recipe,
+                                                                                    command=command is not None)}
         if args.explain:
             out["explain"] = report.explain(best, others, fastest_too_big)
         print(json.dumps(out, indent=2))

@@ -45,7 +45,8 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
 
 
 def command_notes(model, recipe: str | None, layout: Layout | None = None,
-                  shape: TrainShape | None = None) -> list[str]:
+                  shape: TrainShape | None = None, command: bool = True) -> list[str]:
+    """Notes under a printed train command (`command`: whether one is printed)."""
     notes = []
     if layout is not None and shape is not None:
         # What only ember's trainer refuses (other frameworks run it, and the planner prices it).
@@ -54,7 +55,7 @@ def command_notes(model, recipe: str | None, layout: Layout | None = None,
                   problems(layout, model, shape.global_batch, ember=True) if reason not in elsewhere]
     if model.positions == "alibi":
         notes.append(f"{model.name} uses ALiBi positions, which ember's model does not implement yet.")
-    if recipe is None:
+    if recipe is None and command:
         notes.append("RECIPE.toml stands for any recipe: the --set model.* overrides give the preset's shape.")
     return notes
 
