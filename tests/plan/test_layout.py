@@ -27,6 +27,7 @@ def test_parse_full_form():
     ("tp8", "not key=value"), ("tq=8", "not key=value"), ("tp=two", "positive whole number"),
     ("tp=0", "positive whole number"), ("recompute=some", "recompute must be one of"),
     ("schedule=zigzag", "schedule must be one of"), ("zero=4", "zero must be 0, 1, 2 or 3"),
+    ("pp=2,vpp=2,schedule=zbv", "does not price the zbv schedule yet"),
     ("dp=8,dp_shard=3", "dp (8) must equal"), ("dp=8,dp_shard=4", "needs zero"), ("sp=maybe", "sp must be 0 or 1"),
     ("", "--layout is empty"), ("  ", "--layout is empty"), ("tp=2,,dp=4", "empty item"),
     ("tp=2,dp=4,tp=4", "gives tp twice"),

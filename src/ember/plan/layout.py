@@ -77,6 +77,9 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
             ints[key] = int(values[key])
     if values.get("sp", "0") not in _TRUE + _FALSE:
         raise ConfigError(f"--layout sp must be 0 or 1, not {values['sp']!r}.")
+    if values.get("schedule") in ("zero_bubble", "zbv"):
+        raise ConfigError(f"the planner does not price the {values['schedule']} schedule yet (ember's trainer runs "
+                          "it); give schedule=interleaved, whose bubble is at least as large, for an upper bound.")
     for key, choices in (("schedule", PRICED_SCHEDULES), ("recompute", RECOMPUTE)):
         if values.get(key, choices[0]) not in choices:
             raise ConfigError(f"--layout {key} must be one of {', '.join(choices)}, not {values[key]!r}.")
