@@ -98,6 +98,7 @@ def test_other_mistakes_are_one_sentence(tmp_path, capsys):
     for argv, words in [
         ([str(src), "--shard-size", "huge"], "size like 64MB"),
         ([str(src), "--workers", "-1"], "workers -1"),
+        ([str(src), "--workers", "100000"], "more than four per core"),
         (["--source", f"{src}:2", str(src)], "every source a weight"),
         ([], "no inputs given"),
         ([str(src), "--config", str(tmp_path / "missing.toml")], "does not exist"),

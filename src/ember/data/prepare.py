@@ -77,6 +77,10 @@ def validate_args(sources: list[Source], out_dir: Path, tokenizer: str, vocab_si
                         "(the largest vocabularies in use hold about 256k tokens).")
     if not isinstance(workers, int) or workers < 0:
         raise DataError(f"workers {workers!r} must be a whole number >= 0 (0: tokenize in this process).")
+    cores = os.cpu_count() or 1
+    if workers > 4 * cores:  # each holds a tokenizer and its batches: past the cores they only add memory
+        raise DataError(f"workers {workers} is more than four per core on this machine ({cores} cores); "
+                        f"use at most {4 * cores}, or leave --workers out for one per core.")
     check_sources(sources, stopping)  # raises DataError for missing inputs or folders without text
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--out {out_dir} is a file; choose a folder.")
