@@ -215,6 +215,10 @@ def test_a_calibrated_cpu_is_planned_in_the_precision_the_trainer_uses_there(tmp
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["shape"]["precision"] == "fp32" and "train.precision=fp32" in out["best"]["command"]
+    assert not any("measured with 2 processes" in note for note in out["notes"])
+    assert main([a if a != "2" else "1" for a in args]) == 0  # one process of a profile measured with two
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("measured with 2 processes" in note and "--nproc-per-node 1" in note for note in notes), notes
     assert main(args + ["--set", "train.precision=bf16"]) == 2  # that is --precision's
     capsys.readouterr()
     assert main(args + ["--precision", "bf16"]) == 0

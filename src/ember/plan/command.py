@@ -203,7 +203,7 @@ def run_plan(args) -> int:
             which = "the layout does not fit" if len(layouts) == 1 else "none of the layouts fits"
             notes.append(f"{which} in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
                          "so no train command is given.")
-        notes += report.interval_notes(ranked)
+        notes += report.interval_notes(ranked) + _profile_notes(cluster)
         if args.json:
             one = {**p.to_dict(), "model": model.name, "gpu": cluster.gpu.name, "gpus": cluster.n_gpus,
                    "command": command, "notes": notes}
@@ -245,8 +245,8 @@ def run_plan(args) -> int:
                "layouts_fitting": len(result.ranked), "best": best.to_dict() | {"command": command},
                "ranked": [p.to_dict() for p in result.ranked[: args.top]],
                "within_interval_of_best": report.ties(result.ranked),
-               "notes": report.interval_notes(result.ranked) + report.command_notes(model, recipe,
-                                                                                    command=command is not None)}
+               "notes": (report.interval_notes(result.ranked) + _profile_notes(cluster)
+                         + report.command_notes(model, recipe, command=command is not None))}
         if args.explain:
             out["explain"] = report.explain(best, others, fastest_too_big)
         print(json.dumps(out, indent=2))
@@ -257,7 +257,7 @@ def run_plan(args) -> int:
     report.print_text(console, title)
     console.print(report.table(result.ranked[: args.top]))
     report.print_text(console, report.memory_line(best))
-    for note in report.interval_notes(result.ranked):
+    for note in report.interval_notes(result.ranked) + _profile_notes(cluster):
         report.print_text(console, "note: " + note)
     if args.explain:
         report.print_text(console, "\n" + report.explain(best, others, fastest_too_big))
@@ -268,6 +268,16 @@ def run_plan(args) -> int:
     for note in report.command_notes(model, recipe):
         report.print_text(console, "note: " + note)
     return 0
+
+
+def _profile_notes(cluster) -> list[str]:
+    """A CPU profile divides the machine's memory among the processes it was measured with;
+    another number of processes on that machine shares it otherwise."""
+    if cluster.gpu.name != "cpu (calibrated)" or cluster.n_gpus == cluster.links.gpus_per_node:
+        return []
+    return [f"the profile was measured with {cluster.links.gpus_per_node} processes on one machine, each given "
+            f"its share of the memory; for {cluster.n_gpus} processes there, calibrate under torchrun with "
+            f"--nproc-per-node {cluster.n_gpus} so that memory and bandwidth are theirs."]
 
 
 def _command(p, model, recipe, cluster, shape, overrides=()) -> str | None:
