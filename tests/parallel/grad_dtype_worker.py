@@ -31,10 +31,15 @@ def run_layout(data: Path, out: Path, spec: dict, layout: dict) -> dict:
     # Just before the optimizer step the gradients are the reduced ones (clipping is off).
     trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: exact.append(
         bf16_valued(p for group in opt.param_groups for p in group["params"])))
+    kept = set()  # the dtypes the reduced gradients are kept in (what the planner prices)
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: kept.update(
+        str(local_tensor(p.grad).dtype) for group in opt.param_groups for p in group["params"]
+        if p.grad is not None))
     losses = [float(trainer.train_step(trainer.cfg.train.global_batch, lr=spec["lr"])[0])
               for _ in range(spec["steps"])]
     reduce_dtype = str(trainer.engine.data_parallel.reduce_dtype)
-    return {"name": layout["name"], "loss": losses, "bf16_valued": exact, "reduce_dtype": reduce_dtype}
+    return {"name": layout["name"], "loss": losses, "bf16_valued": exact, "reduce_dtype": reduce_dtype,
+            "kept_dtypes": sorted(kept)}
 
 
 def main() -> None:

@@ -49,6 +49,9 @@ def test_bf16_reduction_is_bf16_and_close_to_fp32(dataset, tmp_path):
         assert not any(fp32["bf16_valued"]), name
         assert bf16["loss"][0] == fp32["loss"][0], name  # the same first forward
         assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2), name
+        # Only the wire is bf16: DDP's and ZeRO-2/3's gradients are kept in fp32 either way,
+        # as the planner prices them (plan/memory.py).
+        assert bf16["kept_dtypes"] == fp32["kept_dtypes"] == ["torch.float32"], name
 
 
 def _cfg(*overrides):
