@@ -24,6 +24,7 @@ tensor; a tied head and embedding (both sharded on the vocabulary) stay one Para
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any
 
 import torch
@@ -123,18 +124,19 @@ def _vocab_parallel_embedding(embed: nn.Embedding, mesh: DeviceMesh) -> None:
     the whole vocabulary on every rank, 2.1 GB per rank for a 128k x 8,192 bf16 table,
     before it is sliced."""
     embed.weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]))
+    # A bound method, not a closure, so that a copy of the module looks up in its own weight.
+    embed.forward = types.MethodType(_shard_lookup, embed)
 
-    def lookup(ids):
-        weight = embed.weight  # read at each call: FSDP swaps in its gathered parameter
-        local = weight.to_local()  # differentiable: its gradient returns as the weight's shard
-        start = weight.device_mesh.get_local_rank() * local.shape[0]
-        mine = (ids >= start) & (ids < start + local.shape[0])
-        rows = nn.functional.embedding(torch.where(mine, ids - start, 0), local) * mine.unsqueeze(-1)
-        # Summed over the ranks (forward); backward hands every rank the whole output gradient.
-        return DTensor.from_local(rows, weight.device_mesh, [Partial()]).redistribute(
-            weight.device_mesh, [Replicate()]).to_local()
 
-    embed.forward = lookup
+def _shard_lookup(embed: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = embed.weight  # read at each call: FSDP swaps in its gathered parameter
+    local = weight.to_local()  # differentiable: its gradient returns as the weight's shard
+    start = weight.device_mesh.get_local_rank() * local.shape[0]
+    mine = (ids >= start) & (ids < start + local.shape[0])
+    rows = nn.functional.embedding(torch.where(mine, ids - start, 0), local) * mine.unsqueeze(-1)
+    # Summed over the ranks (forward); backward hands every rank the whole output gradient.
+    return DTensor.from_local(rows, weight.device_mesh, [Partial()]).redistribute(
+        weight.device_mesh, [Replicate()]).to_local()
 
 
 def _in_layout(mesh: DeviceMesh, placements: tuple):
