@@ -78,6 +78,9 @@ def test_shards_are_opened_when_read_and_a_bounded_number_kept(tmp_path, monkeyp
     assert b._open == {}  # nothing mapped before a batch asks for it
     assert sorted(_stream(b, [23])) == list(range(23))  # all three shards read, two kept
     assert len(b._open) == 2
+    for shard in (0, 1, 0, 2):  # the least recently read goes first
+        b._shard(shard)
+    assert sorted(b._open) == [0, 2]
 
 
 def test_same_seed_same_order_other_seed_other_order(tmp_path):
