@@ -226,10 +226,9 @@ POSITIVE = {"gpu": ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_g
             "stack": ("kernel_eff", "attention_eff")}
 
 
-def _fields(cls, values, where: str) -> dict:
-    section = where.rsplit(": ", 1)[-1]
-    return checked_table(cls, values, where, ConfigError, skip=("pattern", "matmul_times"), nonnegative=True,
-                         positive=POSITIVE.get(section, ()))
+def _fields(cls, values, path: Path, section: str) -> dict:
+    return checked_table(cls, values, f"profile file {path}: {section}", ConfigError, skip=("pattern", "matmul_times"),
+                         nonnegative=True, positive=POSITIVE[section])
 
 
 def _matmul_times(section, path: Path) -> MatmulTimes:
@@ -263,7 +262,7 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
     if unknown:
         raise ConfigError(f"profile file {path} has unknown section(s) {', '.join(sorted(unknown))}; "
                           f"it takes {', '.join(sorted(PROFILE_SECTIONS))}.")
-    gpu_values = dict(_fields(GPU, data.get("gpu"), f"profile file {path}: gpu"))
+    gpu_values = dict(_fields(GPU, data.get("gpu"), path, "gpu"))
     if "name" not in gpu_values:
         raise ConfigError(f"profile file {path} must name its GPU (gpu.name).")
     base = gpu_by_name(gpu_values["name"])
@@ -274,11 +273,11 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
                               f"so gpu.{' and gpu.'.join(sorted(missing))} must be given.")
         base = GPU(gpu_values["name"], gpu_values["peak_bf16_flops"], gpu_values["memory_gib"], "$^")
     try:
-        gpu = dataclasses.replace(base, **_fields(GPU, gpu_values, f"profile file {path}: gpu"))
+        gpu = dataclasses.replace(base, **_fields(GPU, gpu_values, path, "gpu"))
         links_values = {"gpus_per_node": 8, "intra_gbps": gpu.intra_gbps, "inter_gbps": gpu.inter_gbps,
-                        **_fields(Links, data.get("links"), f"profile file {path}: links")}
+                        **_fields(Links, data.get("links"), path, "links")}
         links = Links(**links_values)
-        stack = Stack(**_fields(Stack, data.get("stack"), f"profile file {path}: stack"))
+        stack = Stack(**_fields(Stack, data.get("stack"), path, "stack"))
         if data.get("matmuls") is not None:
             gpu = dataclasses.replace(gpu, matmul_times=_matmul_times(data["matmuls"], path))
     except TypeError as err:
