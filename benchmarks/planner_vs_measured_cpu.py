@@ -43,7 +43,7 @@ RECIPE = REPO / "configs" / "tiny-gpt.toml"
 MODEL = ["model.hidden=256", "model.layers=4", "model.heads=4", "model.mlp_hidden=768", "model.max_seq_len=128",
          "train.device=cpu", "train.precision=fp32", "train.compile=false", "train.global_batch=16"]
 
-# name -> (processes, settings). DDP, ZeRO-1/2/3, tensor and pipeline parallelism with two
+# name -> (processes, settings). DDP, ZeRO-1/2/3, tensor and pipeline parallelism with five
 # schedules, recomputation, and their mixes over 1-4 processes (FSDP under a pipeline too).
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, ["train.micro_batch=16"]),
@@ -57,6 +57,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["train.micro_batch=16", "parallel.tp=2"]),
     "pp2-1f1b": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp2-gpipe": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=gpipe"]),
+    "pp2-interleaved": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=interleaved"]),
+    "pp2-zero-bubble": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble"]),
+    "pp2-zbv": (2, ["train.micro_batch=4", "parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv"]),
     "pp2-zero1x2": (4, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1"]),
     "pp2-zero3x2": (4, ["train.micro_batch=4", "parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=3"]),
     "ddp4": (4, ["train.micro_batch=4", "parallel.zero=0", "parallel.dp_replicate=4", "parallel.dp_shard=1"]),

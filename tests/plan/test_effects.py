@@ -262,10 +262,12 @@ def test_eager_tensor_parallelism_adds_its_measured_host_time():
     assert (with_tp[0].total + with_tp[1].total) - (without[0].total + without[1].total) == pytest.approx(2 * 6e-3)
     assert _stage_work(tiny, measured, shape, Layout(micro_batch=8), 0)[0].total == pytest.approx(
         _stage_work(tiny, cpu_like, shape, Layout(micro_batch=8), 0)[0].total)  # no tensor parallelism, no cost
-    recipe = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=true"])
-    assert run_stack(measured.stack, recipe, "cpu").tp_host_s_per_layer == 0.0
-    eager = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=false"])
-    assert run_stack(measured.stack, eager, "cpu").tp_host_s_per_layer == 6e-3
+    compiled_run = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=true"])
+    compiled = dataclasses.replace(measured, stack=run_stack(measured.stack, compiled_run, "cpu"))
+    assert _stage_work(tiny, compiled, shape, lo, 0)[0].total == pytest.approx(without[0].total)
+    eager_run = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=false"])
+    eager = dataclasses.replace(measured, stack=run_stack(measured.stack, eager_run, "cpu"))
+    assert _stage_work(tiny, eager, shape, lo, 0)[0].total == pytest.approx(with_tp[0].total)
 
 
 def test_each_stack_reruns_what_its_selective_recomputation_reruns():

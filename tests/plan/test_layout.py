@@ -21,13 +21,13 @@ def test_parse_full_form():
     assert parse_layout("tp=1,sp=1", 8).sp is True  # kept, so the layout rules refuse it (it needs tp > 1)
     assert parse_layout("tp=2", 16).dp == 8  # dp defaults to what is left
     assert parse_layout("dp=8", 8).dp_replicate == 8  # zero 0 replicates
+    assert (parse_layout("pp=2,schedule=zbv", 8).vpp, parse_layout("pp=2,vpp=3,schedule=zero_bubble", 8).vpp) == (2, 3)
 
 
 @pytest.mark.parametrize("text,words", [
     ("tp8", "not key=value"), ("tq=8", "not key=value"), ("tp=two", "positive whole number"),
     ("tp=0", "positive whole number"), ("recompute=some", "recompute must be one of"),
     ("schedule=zigzag", "schedule must be one of"), ("zero=4", "zero must be 0, 1, 2 or 3"),
-    ("pp=2,vpp=2,schedule=zbv", "does not price the zbv schedule yet"),
     ("dp=8,dp_shard=3", "dp (8) must equal"), ("dp=8,dp_shard=4", "needs zero"), ("sp=maybe", "sp must be 0 or 1"),
     ("", "--layout is empty"), ("  ", "--layout is empty"), ("tp=2,,dp=4", "empty item"),
     ("tp=2,dp=4,tp=4", "gives tp twice"),
@@ -93,7 +93,9 @@ def test_the_search_offers_only_layouts_embers_trainer_runs():
     assert refused and all((lo.zero == 0 and lo.dp > 1 and (lo.tp > 1 or lo.pp > 1))
                            or lo.micro_batches(128) < lo.pp for lo in refused)
     assert any(lo.zero == 0 and lo.dp > 1 and lo.tp > 1 for lo in refused)
-    assert set(runnable) == set(everything) - set(refused)
+    zero_bubble = {lo for lo in runnable if lo.schedule in ("zero_bubble", "zbv")}  # ember's own (PyTorch's)
+    assert zero_bubble and not any(problems(lo, LLAMA, 128, 32) for lo in zero_bubble)
+    assert set(runnable) - zero_bubble == set(everything) - set(refused)
     assert any(lo.zero == 0 and lo.tp == lo.pp == 1 for lo in runnable)  # plain DDP alone stays
 
 

@@ -125,3 +125,17 @@ def test_calibrate_refuses_a_model_plan_before_measuring(tmp_path, capsys, monke
     assert main(["plan", "calibrate", "--out", str(out), "--set", "model.layers=2"]) == 2
     assert "give the model with --model" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_zero_bubble_layout_is_priced_and_trained_uncompiled(capsys):
+    """PyTorch cannot compile a zero-bubble schedule's stages: the command says so, so that a
+    recipe with train.compile=true still runs the layout the planner priced."""
+    out = plan_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch", "64",
+                             "--seq-len", "4096", "--layout", "tp=2,sp=1,pp=4,schedule=zbv,dp=1,mbs=1,recompute=full"])
+    assert out["layout"] == "tp=2,sp=1,pp=4,schedule=zbv,vpp=2,dp=1,mbs=1,recompute=full"
+    assert out["fits"] and "--set parallel.schedule=zbv" in out["command"]
+    assert "--set train.compile=false" in out["command"]
+    interleaved = plan_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch",
+                                     "64", "--seq-len", "4096", "--layout",
+                                     "tp=2,sp=1,pp=4,schedule=interleaved,vpp=2,dp=1,mbs=1,recompute=full"])
+    assert "train.compile" not in interleaved["command"]

@@ -89,6 +89,9 @@ class Stack:
     # kernels and collectives (eager DTensor dispatch; tune/host_cost.py measures it when
     # `ember plan calibrate` runs under torchrun). 0 where unmeasured.
     tp_host_s_per_layer: float = 0.0
+    # Whether ember's trainer compiles the blocks (plan/stacks.py: run_stack, from a recipe's
+    # train.compile), which traces DTensor's dispatch away: no tp_host_s_per_layer then.
+    compiled: bool = False
     # Host time every micro-batch costs each stage outside its kernels, with the GPU idle:
     # a framework that syncs with the device once per micro-batch (Megatron-LM's get_batch
     # copies the batch's sizes to the host) loses the host's lead there, and the GPU waits

@@ -4,7 +4,8 @@
 
 `--layout` keys (those of the trainer's [parallel] section, and `mbs` for train.micro_batch):
   tp, sp            tensor parallelism and sequence parallelism (norms/dropout split by tp)
-  pp, vpp, schedule pipeline stages, virtual stages per GPU, 1f1b / gpipe / interleaved
+  pp, vpp, schedule pipeline stages, virtual stages per GPU, 1f1b / gpipe / interleaved /
+                    zero_bubble / zbv (zbv: vpp defaults to its 2)
   stage_layers      layers of each of the pp x vpp stages, e.g. 6/6/.../4 (default: equal when
                     they divide, else balanced by cost)
   dp                data-parallel size = dp_replicate x dp_shard
@@ -24,9 +25,8 @@ import math
 from dataclasses import dataclass
 
 from ember.config import ConfigError
-from ember.layout import RECOMPUTE, Layout, problems
+from ember.layout import RECOMPUTE, SCHEDULES, ZERO_BUBBLE, Layout, available_schedules, problems
 
-PRICED_SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules the time model prices
 # (recompute, recompute_every) pairs the search tries.
 POLICIES = tuple((policy, 1) for policy in RECOMPUTE) + (("full", 2),)
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")  # fp32: no autocast, as ember trains on a CPU by default
@@ -77,13 +77,11 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
             ints[key] = int(values[key])
     if values.get("sp", "0") not in _TRUE + _FALSE:
         raise ConfigError(f"--layout sp must be 0 or 1, not {values['sp']!r}.")
-    if values.get("schedule") in ("zero_bubble", "zbv"):
-        raise ConfigError(f"the planner does not price the {values['schedule']} schedule yet (ember's trainer runs "
-                          "it); give schedule=interleaved, whose bubble is at least as large, for an upper bound.")
-    for key, choices in (("schedule", PRICED_SCHEDULES), ("recompute", RECOMPUTE)):
+    for key, choices in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
         if values.get(key, choices[0]) not in choices:
             raise ConfigError(f"--layout {key} must be one of {', '.join(choices)}, not {values[key]!r}.")
-    tp, pp, vpp, cp = (ints.get(k, 1) for k in ("tp", "pp", "vpp", "cp"))
+    tp, pp, cp = (ints.get(k, 1) for k in ("tp", "pp", "cp"))
+    vpp = ints.get("vpp", 2 if values.get("schedule") == "zbv" else 1)
     zero = ints.get("zero", 0)
     if zero > 3:
         raise ConfigError(f"--layout zero must be 0, 1, 2 or 3, not {zero}.")
@@ -169,6 +167,9 @@ def _for_cp(model, n_gpus: int, gpus_per_node: int, shape: TrainShape, max_mbs: 
             vpps = [v for v in range(2, max_vpp + 1)
                     if pp * v <= model.layers and (not even or (model.layers // pp) % v == 0)]
             schedules = [("1f1b", 1)] + ([("gpipe", 1)] + [("interleaved", v) for v in vpps] if pp > 1 else [])
+            if pp > 1 and ember_only:  # PyTorch's zero-bubble schedules, which ember's trainer runs
+                schedules += [(name, v) for name in ZERO_BUBBLE if name in available_schedules()
+                              for v in vpps if name == "zero_bubble" or v == 2]
             micro = [2**i for i in range(10) if 2**i <= max_mbs and (shape.global_batch // dp) % 2**i == 0]
             seq_parallel = (False, True) if tp > 1 else (False,)
             for (zero, shard, rep), mbs, (schedule, vpp), sp, (recompute, every) in itertools.product(

@@ -20,10 +20,11 @@ are replicated on every tensor-parallel rank. FlashAttention never stores the s�
 softmax, only a 4-byte log-sum-exp per head and token. An FP8 run keeps each weight
 matmul's input as its 1-byte cast (`fp8_saved_per_token`).
 
-The first pipeline stage holds the most micro-batches in flight: p under 1F1B (stage i
-holds p - i), all m under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule
-(Narayanan et al. 2021). The embedding sits on the first stage, the output layer and the
-logits on the last (with pp > 1 a tied output layer is a second copy there). Each rank
+Micro-batches in flight: the first stage holds p under 1F1B (stage i holds p - i), all m
+under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule (Narayanan et al.
+2021); the zero-bubble schedules hold p on every rank, fewer on the first under zbv with
+few micro-batches (`in_flight`). The embedding sits on the first stage, the output layer
+and the logits on the last (with pp > 1 a tied output layer is a second copy there). Each rank
 holds the layers `Layout.split` gives its stages, so uneven splits are sized rank by rank.
 """
 
@@ -201,6 +202,13 @@ def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
     if layout.schedule == "interleaved":
         chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
         return chunks / v
+    # The zero-bubble schedules keep a micro-batch's activations until its weight gradient,
+    # which they defer: every rank peaks at p of its stages' micro-batches, and under zbv
+    # short of 2p - 1 micro-batches rank r at (m + 1 + r) chunks of half its layers.
+    if layout.schedule == "zero_bubble":
+        return min(m, p)
+    if layout.schedule == "zbv":
+        return min(2 * p, m + 1 + stage) / 2
     return min(m, p - stage)
 
 
@@ -366,6 +374,8 @@ def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, a
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
+    if layout.schedule == "zbv":  # its later ranks hold more micro-batches (in_flight): size each
+        stages = set(range(layout.pp))
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
     return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, stack)
                 for i in stages),

@@ -1,18 +1,11 @@
 """One layout's prediction: step time from stage times, the pipeline, data-parallel
 communication and the optimizer; memory; and the figures a user compares layouts by.
 
-Pipeline. Stage i spends t_i per micro-batch (forward, backward, recomputation, its
-tensor-parallel communication, activation sends to its neighbours, ZeRO-3 gathers that
-could not hide behind compute). With m micro-batches and v virtual stages per GPU, the
-slowest stage paces the steady state and every stage's work passes once through fill and
-drain:
-    pipeline = m·max(t) + (Σ t_i − max(t)) / v.
-Balanced stages give m·t·(1 + (p−1)/(v·m)): the bubble fraction (p−1)/m of GPipe and
-1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021). The first stage carries the
-embedding, the last the output layer and the loss, so unequal stages are priced too.
-DeepSpeed's pipeline engine runs in lockstep instead (`lockstep_s`): with a backward pass
-b about three times the forward f under full recomputation, its steady state costs 2·b
-per micro-batch where 1F1B costs f + b, 1.5x as long.
+Pipeline. Each stage's time per micro-batch, and how the schedule passes the step's
+micro-batches through the stages, fill and drain included (plan/schedule.py). ember's
+trainer compiles its blocks on a GPU but cannot under the zero-bubble schedules, whose
+backward PyTorch splits in two: those stages are priced as eager PyTorch runs them
+(`_as_scheduled`).
 
 Data parallelism. Gradients are reduced once per step (ZeRO-0: all-reduce; ZeRO-1:
 reduce-scatter over the shard group), or per micro-batch (ZeRO-2 reduce-scatters as the
@@ -34,11 +27,11 @@ stepping and zeroing); memory-bound. An FP8 run then casts the weights it multip
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ember.config import ConfigError
 from ember.cost import matmul_params, model_flops_per_token, recompute_flops_per_token
-from ember.layout import Layout
+from ember.layout import ZERO_BUBBLE, Layout
 from ember.plan import comm, overlap, uncertainty
 from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
@@ -51,6 +44,7 @@ from ember.plan.memory import (
     pipeline_ranks,
     stage_params,
 )
+from ember.plan.schedule import idle_share, lockstep_s, pipeline_s
 from ember.plan.timing import (
     BACKWARD_KERNELS,
     FP8_CAST_BYTES,
@@ -106,25 +100,6 @@ def gradient_bytes(stack, shape: TrainShape) -> int:
     return 4 if shape.precision == "fp32" else stack.grad_bytes
 
 
-def pipeline_s(stage_times: list[float], micro_batches: int, vpp: int = 1) -> tuple[float, float]:
-    """(time through the pipeline, of which fill and drain) for per-micro-batch stage times."""
-    slowest = max(stage_times)
-    bubble = (sum(stage_times) - slowest) / vpp
-    return micro_batches * slowest + bubble, bubble
-
-
-def lockstep_s(forward: list[float], backward: list[float], micro_batches: int) -> tuple[float, float]:
-    """(time through the pipeline, of which not the slowest stage's own work) for DeepSpeed's
-    TrainSchedule (deepspeed/runtime/pipe/schedule.py): 2(m + p − 1) steps; in each, even
-    stages run a forward while odd ones run a backward, or the reverse, and neighbours
-    exchange activations and gradients with blocking sends and receives before the next.
-    Every step therefore lasts as long as the slowest pass run in it: the p − 1 steps of
-    the fill run forwards only, every other step has a backward somewhere."""
-    p, f, b = len(forward), max(forward), max(backward)
-    total = (p - 1) * f + (2 * micro_batches + p - 1) * max(f, b)
-    return total, total - micro_batches * max(fi + bi for fi, bi in zip(forward, backward))
-
-
 def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: int) -> tuple[Work, Work, float]:
     """Forward and backward (incl. recomputation) Work of one micro-batch on `stage`, and how
     far the slower pass sits above the larger of its host and GPU time (`_as_run`)."""
@@ -149,7 +124,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     bwd_kernels = n * (kernels * BACKWARD_KERNELS + calls) + again * rerun
     # Eager tensor parallelism's own host work (DTensor dispatch), measured per layer pass
     # and shared between forward and backward as their kernels are.
-    tp_host = stack.tp_host_s_per_layer if lo.tp > 1 else 0.0
+    tp_host = stack.tp_host_s_per_layer if lo.tp > 1 and not stack.compiled else 0.0
     share = 1 / (1 + BACKWARD_KERNELS)
     fwd_host = n * tp_host * share
     bwd_host = n * tp_host * (1 - share) + (again * tp_host * share if lo.recompute == "full" else 0.0)
@@ -240,7 +215,20 @@ def check_precision(gpu, precision: str) -> None:
                           "use --precision bf16.")
 
 
+def _as_scheduled(cluster: Cluster, lo: Layout) -> Cluster:
+    """`cluster` as ember's trainer runs `lo`: its zero-bubble stages cannot be compiled
+    (PyTorch asks them for input and weight gradients in two passes), so on a GPU, where the
+    other layouts compile, they run eager PyTorch's elementwise composites and tensor
+    parallelism's eager host work. A CPU runs every layout eager and is priced alike."""
+    stack = cluster.stack
+    if stack.name != "ember" or lo.pp == 1 or lo.schedule not in ZERO_BUBBLE:
+        return cluster
+    fused = stack.fused_elementwise and not stack.host_overlaps
+    return replace(cluster, stack=replace(stack, compiled=False, fused_elementwise=fused))
+
+
 def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
+    cluster = _as_scheduled(cluster, lo)
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     check_precision(gpu, shape.precision)
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node, lo.cp)
@@ -254,7 +242,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
     shard, rep = groups["dp_shard"], groups["dp_replicate"]
     stand_in = pipeline_ranks(model, lo)  # ranks that cost the same are priced once
     stages = sorted(set(stand_in.values()))
-    times, halves, parts, dp_exposed, optimizer = {}, {}, {}, 0.0, 0.0
+    times, halves, idle, parts, dp_exposed, optimizer = {}, {}, {}, {}, 0.0, 0.0
     passes = {i: _stage_work(model, cluster, shape, lo, i) for i in stages}
     # Under a pipeline FSDP reduces once a step (`defers_reduction`), and ZeRO-3 keeps its
     # weights gathered over the micro-batches (ember, torchtitan).
@@ -282,6 +270,10 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
             per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
         halves[i] = (fwd.total + p2p / 2, bwd.total + p2p / 2 + per_mb)
+        # A zero-bubble schedule runs the weight-gradient matmuls (as long as the forward's)
+        # apart from the rest of the backward.
+        weight = min(fwd.matmul, halves[i][1])
+        idle[i] = idle_share(lo.schedule, halves[i][0], halves[i][1] - weight, weight, m, lo.pp)
         parts[i] = (fwd + bwd, per_mb)
 
         if lo.zero == 0:  # over the replicas, and the cp ranks that hold the same weights
@@ -313,7 +305,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         pipeline, bubble = lockstep_s([halves[stand_in[i]][0] for i in range(lo.pp)],
                                       [halves[stand_in[i]][1] for i in range(lo.pp)], m)
     else:
-        pipeline, bubble = pipeline_s(every_stage, m, lo.vpp)
+        pipeline, bubble = pipeline_s(every_stage, m, lo.vpp, [idle[stand_in[i]] for i in range(lo.pp)])
     slowest = max(times, key=times.get)
     t_max, mean = times[slowest], sum(every_stage) / lo.pp
     step = pipeline + dp_exposed + optimizer

@@ -8,7 +8,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
-from ember.layout import Layout, problems
+from ember.layout import ZERO_BUBBLE, Layout, problems
 from ember.plan.cluster import Cluster
 from ember.plan.layout import TrainShape
 from ember.plan.memory import GIB, total_params
@@ -32,6 +32,8 @@ def train_command(prediction: Prediction, model, recipe: str | None, cluster: Cl
     # A GPU without bf16 tensor cores multiplies 2-byte operands in fp16, at the same rate.
     settings["train.precision"] = "fp16" if shape.precision == "bf16" and not cluster.gpu.bf16 else shape.precision
     settings["parallel.grad_dtype"] = cluster.stack.grad_dtype  # the gradient reduction it priced
+    if prediction.layout.pp > 1 and prediction.layout.schedule in ZERO_BUBBLE:
+        settings["train.compile"] = "false"  # priced eager: PyTorch cannot compile these stages
     if recipe is None:
         for key in MODEL_KEYS:
             value = getattr(model, key)

@@ -120,4 +120,4 @@ def run_stack(base: Stack, config, device_type: str = "cuda") -> Stack:
     if base.name != "ember":
         return base
     stack = replace(base, grad_dtype=config.parallel.grad_dtype)
-    return replace(stack, tp_host_s_per_layer=0.0) if compiles(config, device_type) else stack
+    return replace(stack, compiled=compiles(config, device_type))
