@@ -134,7 +134,7 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel
     sp: bool = False  # sequence parallel (needs tp > 1)
     pp: int = 1  # pipeline stages
-    vpp: int = 1  # virtual stages per pipeline rank (interleaved)
+    vpp: int = 1  # virtual stages per pipeline rank (interleaved, zero_bubble; zbv: 2)
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved; zero_bubble, zbv where PyTorch has them
     recompute: str = "none"  # activation checkpointing: none, selective, full
     recompute_every: int = 1  # the policy covers blocks 0, k, 2k, ... (k = this; 1 = every block)

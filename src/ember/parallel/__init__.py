@@ -1,7 +1,8 @@
 """Parallel layouts applied to the plain model from outside (docs/parallel.md).
 
+(A layout's checks, before anything is built, live in ember/layout.py.)
+
 mesh      the process group and the ("pp", "dp_replicate", "dp_shard", "tp") device mesh
-validate  every check of a layout, before anything is built
 engine    what one step runs on a rank: the Engine interface, LocalEngine, build_engine
 data      DDP (ZeRO-0) and FSDP2 (ZeRO-1/2/3, hybrid) over the data-parallel ranks
 recompute activation checkpointing and torch.compile per block
