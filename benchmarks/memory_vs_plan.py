@@ -41,6 +41,11 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"]),
     "pp2xtp2": (4, ["parallel.pp=2", "parallel.tp=2"]),
     "pp2xzero3x2": (4, ["parallel.pp=2", "parallel.zero=3"]),
+    # The schedules differ in how many micro-batches' activations a stage holds at its peak.
+    "pp2-gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.vpp=2"]),
+    "pp2-zero-bubble": (2, ["parallel.pp=2", "parallel.schedule=zero_bubble", "parallel.vpp=2"]),
+    "pp2-zbv": (2, ["parallel.pp=2", "parallel.schedule=zbv", "parallel.vpp=2"]),
 }
 
 
@@ -80,21 +85,25 @@ def worker(data: str, out: str, sets: list[str], steps: int) -> None:
 
 def prediction(name: str, world: int, sets: list[str]) -> list[dict]:
     """The planner's memory for every pipeline rank of the run `sets` describes."""
+    from dataclasses import replace
+
     from ember.config import load_config
     from ember.layout import Layout
     from ember.plan.layout import TrainShape
     from ember.plan.memory import GIB as PLAN_GIB, stage_memory
     from ember.plan.models import from_config
-    from ember.plan.stacks import STACKS
+    from ember.plan.stacks import STACKS, run_stack
 
     cfg = load_config(REPO / "configs/llama-1b.toml", sets)
     layout = Layout.from_config(cfg, world)
     spec = from_config(cfg.model, "llama-1b-short")
     shape = TrainShape(cfg.model.max_seq_len, cfg.train.global_batch, precision="fp32")
+    # ember's trainer as it runs the recipe on this CPU (uncompiled: eager composites).
+    stack = run_stack(replace(STACKS["ember"], host_overlaps=False), cfg, "cpu")
     out = []
     for stage in range(layout.pp):
         mem = stage_memory(spec, layout, shape, stage, 4, "flash", 24 * PLAN_GIB, runtime=0.0,
-                           stack=STACKS["ember"])
+                           stack=stack)
         out.append({"stage": stage, "total": mem.total, "parts_gib": mem.parts_gib()})
     return out
 
@@ -167,7 +176,7 @@ def main() -> None:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['layout']:>8} rank {r['rank']}: measured {r['measured_gib']:6.2f} GiB  predicted "
+    return (f"{r['layout']:>15} rank {r['rank']}: measured {r['measured_gib']:6.2f} GiB  predicted "
             f"{r['predicted_gib']:6.2f} GiB  ratio {r['ratio']:.2f}  (parameters held {r['params_gib']:.2f} GiB)")
 
 

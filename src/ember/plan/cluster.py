@@ -153,6 +153,13 @@ class Stack:
     # pass fp32 intermediates through memory (plan/timing.py: eager_elementwise).
     fused_elementwise: bool = True
 
+    @property
+    def eager_blocks(self) -> bool:
+        """Whether the blocks run eager PyTorch's composites: a stack without fused kernels,
+        or ember's trainer uncompiled on a CPU (whose calibrated rates already hold their
+        time, so only memory adds what they keep)."""
+        return not self.fused_elementwise or (self.name == "ember" and not (self.compiled or self.host_overlaps))
+
     def refusal(self, layout) -> str | None:
         """Why this software cannot run `layout`, or None. DeepSpeed's pipeline engine (priced
         as `pipeline_lockstep`) has only its own schedule (TrainSchedule, filed under 1f1b)

@@ -48,3 +48,18 @@ def eager_elementwise(model, tp: int, split: int) -> tuple[float, float, int]:
         bwd += (EAGER_GATE[1] - 9) * model.mlp_hidden / tp
         kernels += EAGER_GATE[2] - 1
     return fwd, bwd, kernels
+
+
+def eager_saved_bytes(model, tp: int, split: int, fp32: bool) -> float:
+    """Bytes per token a block keeps for backward beyond the fused kernels' count when its
+    composites run eager and are not recomputed: each RMSNorm's normalised input beside its
+    output (the weight multiply's backward needs it; fp32 even under autocast, where the
+    composite computes), and a gated activation's output beside its input (the product's
+    backward needs it). LayerNorm and GELU keep nothing more eager; rotary only its shared
+    cos/sin tables. `split`: the norms' tokens over tp ranks under sequence parallelism."""
+    saved = 0.0
+    if model.norm == "rmsnorm":
+        saved += 2 * 4 * model.hidden / split
+    if gated(model):
+        saved += (4 if fp32 else 2) * model.mlp_hidden / tp
+    return saved

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
 from ember.layout import Layout
 from ember.plan.cluster import Stack
+from ember.plan.eager import eager_saved_bytes
 from ember.plan.layout import TrainShape
 from ember.plan.stacks import STACKS
 
@@ -310,6 +311,10 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     acts *= width
+    if stack.eager_blocks:
+        uncovered = layers * (1 - layout.recomputed_fraction(model.layers))
+        split = t if layout.sp else 1
+        acts += in_flight(layout, m, stage) * uncovered * tokens * eager_saved_bytes(model, t, split, fp32)
     logits = 0.0
     vocab_t = model.padded_vocab / t
     chunked = stack.fused_loss and t == 1
