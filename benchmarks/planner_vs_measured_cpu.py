@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         data = prepare_data(folder)
         _run(calibrate_command(profile, write_recipe(folder, data)))
+        # Kept with the results: run to run, the predictions move with what calibration measured.
+        calibration = json.loads(profile.read_text())
         rows: dict[str, dict] = {}
         for round_ in range(max(1, args.rounds)):
             for name in names:
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = f"{datetime.date.today()}-planner-vs-measured-cpu"
     results = REPO / "benchmarks" / "results"
     (results / f"{stamp}.txt").write_text(text)
-    (results / f"{stamp}.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    (results / f"{stamp}.json").write_text(json.dumps({"rows": rows, "summary": summary, "profile": calibration},
+                                                         indent=1))
     return 0
 
 
