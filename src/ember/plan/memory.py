@@ -34,7 +34,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
-from ember.layout import Layout
+from ember.layout import ZERO_BUBBLE, Layout
 from ember.plan.cluster import Stack
 from ember.plan.eager import eager_saved_bytes
 from ember.plan.layout import TrainShape
@@ -167,6 +167,31 @@ def _kept_every_other_matmul(model, layout: Layout) -> float:
     return kept
 
 
+def autocast_fp32_weights(model, layout: Layout, eager: bool) -> tuple[float, float]:
+    """What one layer keeps beyond the count where ember's trainer autocasts over fp32
+    weights (no FSDP to hold them in bf16: one device, DDP, tensor or pipeline parallelism
+    without data parallelism): bytes per token and bytes per micro-batch. The residual
+    stream stays fp32, so each residual the layer keeps (the block input, and the sum
+    after attention unless recomputed) takes 2 bytes an element more. Eager, each
+    projection that runs as its own nn.Linear also keeps its weight's bf16 copy until
+    backward (compiled, the cast reruns instead); fused projections (q/k/v, gate/up) keep
+    the fp32 weights they already have, except under tensor parallelism or a zero-bubble
+    schedule, which turn fusion off; then each projection also casts and keeps its own
+    bf16 copy of the shared fp32 input (three for q/k/v, two for gate/up, where the
+    count has one each)."""
+    h, f, t = model.hidden, model.mlp_hidden, layout.tp
+    covered = layout.recomputed_fraction(model.layers)
+    per_token = (covered + 2 * (1 - covered)) * 2 * h / (t if layout.sp else 1)
+    if not eager:
+        return per_token, 0.0
+    if t > 1 or (layout.pp > 1 and layout.schedule in ZERO_BUBBLE):
+        alone = matmul_params(model)["layer"]
+        per_token += (2 + (1 if gated(model) else 0)) * 2 * h
+    else:
+        alone = h * h + f * h * (1 if gated(model) else 2)  # attention output, down (and up)
+    return per_token, 2 * alone / t
+
+
 def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str, stack: Stack = MEGATRON) -> float:
     """Bytes per token a layer keeps on average when only some layers are recomputed
     (`recompute_every`): the covered share keeps the policy's, the rest everything."""
@@ -278,13 +303,16 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     width = 2 if fp32 else 1  # activations are counted in 2-byte elements
     grad_bytes = 4 if fp32 else grad_bytes
     params = stage_params(model, layout, stage)
+    # ember's trainer without FSDP autocasts over fp32 weights, which are then the master
+    # copy: 4 bytes of weight and Adam's 8, no 2-byte copy (autocast_fp32_weights).
+    plain = stack.name == "ember" and not fp32 and not (layout.zero >= 1 and layout.dp > 1)
     # Until the deferred reduction the stage's gradients accumulate whole, and ZeRO-3's
     # weights stay gathered from the first forward on (beside their shards, which are the
     # fp32 masters in mixed precision).
     deferred = defers_reduction(layout, stack)
     # An FSDP stack (`per_block_grads`) keeps no bf16 shard under ZeRO-3: its fp32 shards are
     # the master weights, counted with the optimizer. DeepSpeed keeps a bf16 shard besides.
-    weights = params * (4 if fp32 else WEIGHT_BYTES)
+    weights = params * (4 if fp32 or plain else WEIGHT_BYTES)
     if layout.zero >= 3:
         weights = 0.0 if stack.per_block_grads and not fp32 else weights / shard
     if deferred and layout.zero >= 3:
@@ -300,7 +328,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     accumulated_whole = layout.zero >= 1 and not sharded_grads
     kept_bytes = 4 if stack.per_block_grads and not accumulated_whole else grad_bytes
     grads = params * kept_bytes / (shard if sharded_grads else 1)
-    optimizer = params * (8 if fp32 else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
+    optimizer = params * (8 if fp32 or plain else OPTIMIZER_BYTES) / (shard if layout.zero >= 1 else 1)
     layers = layout.rank_layers(model)[stage]
     embedding, output = holds(layout, stage)
     tokens = s * b / layout.cp  # a rank holds 1/cp of each sequence
@@ -311,10 +339,13 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     if embedding:  # embedding output (and its dropout mask) feeds the first block
         acts += in_flight(layout, m, stage) * tokens * model.hidden * (2 + model.dropout) / (t if layout.sp else 1)
     acts *= width
+    uncovered = layers * (1 - layout.recomputed_fraction(model.layers))
     if stack.eager_blocks:
-        uncovered = layers * (1 - layout.recomputed_fraction(model.layers))
         split = t if layout.sp else 1
         acts += in_flight(layout, m, stage) * uncovered * tokens * eager_saved_bytes(model, t, split, fp32)
+    if plain:
+        per_token, per_layer = autocast_fp32_weights(model, layout, stack.eager_blocks)
+        acts += in_flight(layout, m, stage) * (layers * tokens * per_token + uncovered * per_layer)
     logits = 0.0
     vocab_t = model.padded_vocab / t
     chunked = stack.fused_loss and t == 1
