@@ -326,6 +326,15 @@ def check(layout: Layout, model, global_batch: int, world: int | None = None, **
         raise ConfigError(found[0] + ".")
 
 
+def fuses_projections(p) -> bool:
+    """Whether the trainer runs q/k/v and gate/up as one matmul each (model/fused.py) for
+    the layout `p` (a Layout or parallel config): not under tensor parallelism, whose plan's
+    hooks and DTensor weights are each projection's own, nor under a zero-bubble schedule,
+    which asks a layer for its input and weight gradients in two passes that one fused
+    autograd function cannot tell apart."""
+    return p.tp == 1 and not (p.pp > 1 and p.schedule in ZERO_BUBBLE)
+
+
 def compiles(cfg: Config, device_type: str) -> bool:
     """Whether the run compiles its blocks: train.compile, with "auto" meaning on CUDA
     unless the pipeline schedule is a zero-bubble one (its stages cannot be compiled)."""

@@ -18,9 +18,9 @@ from ember.config import load_config
 from ember.layout import Layout
 from ember.model.layers import Block
 from ember.plan.cluster import make_cluster
-from ember.plan.eager import eager_saved_bytes
+from ember.plan.eager import autocast_fp32_weights, eager_saved_bytes
 from ember.plan.layout import TrainShape
-from ember.plan.memory import activation_bytes_per_token, autocast_fp32_weights, stage_memory
+from ember.plan.memory import activation_bytes_per_token, stage_memory
 from ember.plan.models import from_config
 from ember.plan.predict import _as_scheduled
 from ember.plan.stacks import STACKS, stack

@@ -16,16 +16,16 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ember.config import Config
-from ember.layout import ZERO_BUBBLE, Layout, compiles
+from ember.device import NO_TIMER, PhaseTimer, autocast
+from ember.layout import Layout, compiles, fuses_projections
+from ember.parallel import tensor
 from ember.parallel.data import DataParallel, apply_data_parallel
 from ember.parallel.dtensor import local_tensor
 from ember.parallel.grads import clip_grad_norm
 from ember.parallel.materialize import is_meta, materialize
 from ember.parallel.mesh import Topology
-from ember.parallel import tensor
 from ember.parallel.pipeline import PipelineEngine
 from ember.parallel.recompute import apply_compile, apply_recompute, blocks_of
-from ember.device import NO_TIMER, PhaseTimer, autocast
 
 
 class Engine:
@@ -128,10 +128,7 @@ class Wrapper:
         meta = is_meta(module)
         if self.tensor is not None:
             self.tensor.apply_tensor_parallel(module, self.topo.mesh["tp"], p.sp)
-        if p.pp > 1 and p.schedule in ZERO_BUBBLE:
-            # These schedules ask a layer for its input gradient and its weight gradient in
-            # two passes; one fused autograd function cannot tell them apart and would run
-            # both matmuls in each. Plain nn.Linear computes only what each pass asks for.
+        if not fuses_projections(p):  # plain nn.Linear computes only what each pass asks for
             for _, block in blocks_of(module):
                 block.attn.fused = block.mlp.fused = False
         apply_recompute(module, p.recompute, p.recompute_every)

@@ -1,4 +1,5 @@
-"""What eager PyTorch's composite ops cost beyond the fused kernels they stand for.
+"""What a block costs and keeps run as eager PyTorch runs it, beyond the fused kernels the
+rest of the cost model stands for: composite ops, and autocast over fp32 weights.
 
 Without torch.compile (and without Megatron-Core's or Transformer Engine's fused kernels),
 RMSNorm, the rotary embedding and a gated activation run as several PyTorch ops each, and
@@ -10,7 +11,8 @@ are one kernel in eager PyTorch too.
 
 from __future__ import annotations
 
-from ember.cost import gated, kv_hidden
+from ember.cost import gated, kv_hidden, matmul_params
+from ember.layout import Layout, fuses_projections
 
 # Eager PyTorch's composites: bytes per element (forward, backward) and forward kernels; the
 # fused kernels they stand for move (4, 6), (4, 6) and (6, 9) in one kernel each.
@@ -63,3 +65,28 @@ def eager_saved_bytes(model, tp: int, split: int, fp32: bool) -> float:
     if gated(model):
         saved += (4 if fp32 else 2) * model.mlp_hidden / tp
     return saved
+
+
+def autocast_fp32_weights(model, layout: Layout, eager: bool) -> tuple[float, float]:
+    """What one layer keeps beyond the count where ember's trainer autocasts over fp32
+    weights (no FSDP to hold them in bf16: one device, DDP, tensor or pipeline parallelism
+    without data parallelism): bytes per token and bytes per micro-batch. The residual
+    stream stays fp32, so each residual the layer keeps (the block input, and the sum
+    after attention unless recomputed) takes 2 bytes an element more. Eager, each
+    projection that runs as its own nn.Linear also keeps its weight's bf16 copy until
+    backward (compiled, the cast reruns instead); fused projections (q/k/v, gate/up) keep
+    the fp32 weights they already have, except under tensor parallelism or a zero-bubble
+    schedule, which turn fusion off; then each projection also casts and keeps its own
+    bf16 copy of the shared fp32 input (three for q/k/v, two for gate/up, where the
+    count has one each)."""
+    h, f, t = model.hidden, model.mlp_hidden, layout.tp
+    covered = layout.recomputed_fraction(model.layers)
+    per_token = (covered + 2 * (1 - covered)) * 2 * h / (t if layout.sp else 1)
+    if not eager:
+        return per_token, 0.0
+    if not fuses_projections(layout):
+        alone = matmul_params(model)["layer"]
+        per_token += (2 + (1 if gated(model) else 0)) * 2 * h
+    else:
+        alone = h * h + f * h * (1 if gated(model) else 2)  # attention output, down (and up)
+    return per_token, 2 * alone / t

@@ -34,9 +34,9 @@ import functools
 from dataclasses import dataclass, replace
 
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
-from ember.layout import ZERO_BUBBLE, Layout
+from ember.layout import Layout
 from ember.plan.cluster import Stack
-from ember.plan.eager import eager_saved_bytes
+from ember.plan.eager import autocast_fp32_weights, eager_saved_bytes
 from ember.plan.layout import TrainShape
 from ember.plan.stacks import STACKS
 
@@ -165,31 +165,6 @@ def _kept_every_other_matmul(model, layout: Layout) -> float:
     if layout.sp and t > 1:
         kept += 2 * (2 * h / t)
     return kept
-
-
-def autocast_fp32_weights(model, layout: Layout, eager: bool) -> tuple[float, float]:
-    """What one layer keeps beyond the count where ember's trainer autocasts over fp32
-    weights (no FSDP to hold them in bf16: one device, DDP, tensor or pipeline parallelism
-    without data parallelism): bytes per token and bytes per micro-batch. The residual
-    stream stays fp32, so each residual the layer keeps (the block input, and the sum
-    after attention unless recomputed) takes 2 bytes an element more. Eager, each
-    projection that runs as its own nn.Linear also keeps its weight's bf16 copy until
-    backward (compiled, the cast reruns instead); fused projections (q/k/v, gate/up) keep
-    the fp32 weights they already have, except under tensor parallelism or a zero-bubble
-    schedule, which turn fusion off; then each projection also casts and keeps its own
-    bf16 copy of the shared fp32 input (three for q/k/v, two for gate/up, where the
-    count has one each)."""
-    h, f, t = model.hidden, model.mlp_hidden, layout.tp
-    covered = layout.recomputed_fraction(model.layers)
-    per_token = (covered + 2 * (1 - covered)) * 2 * h / (t if layout.sp else 1)
-    if not eager:
-        return per_token, 0.0
-    if t > 1 or (layout.pp > 1 and layout.schedule in ZERO_BUBBLE):
-        alone = matmul_params(model)["layer"]
-        per_token += (2 + (1 if gated(model) else 0)) * 2 * h
-    else:
-        alone = h * h + f * h * (1 if gated(model) else 2)  # attention output, down (and up)
-    return per_token, 2 * alone / t
 
 
 def layer_activation_bytes(model, seq_len: int, layout: Layout, attention: str, stack: Stack = MEGATRON) -> float:
