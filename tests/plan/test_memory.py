@@ -6,6 +6,7 @@ import pytest
 from ember.layout import Layout
 from ember.plan.layout import TrainShape
 from ember.plan.cluster import Stack
+from ember.plan.held import weight_grad_inputs
 from ember.plan.memory import MEGATRON, activation_bytes_per_token, in_flight, stage_memory, total_params
 from ember.plan.models import PRESETS, ModelSpec
 
@@ -303,3 +304,24 @@ def test_mixed_precision_zero3_keeps_twelve_bytes_per_parameter_shard():
     deepspeed = stage_memory(model, layout, shape, 0, 2, "flash", 80 * 2**30, stack=Stack(per_block_grads=False))
     assert fsdp.weights + fsdp.optimizer == pytest.approx(params * 12 / 8)
     assert deepspeed.weights + deepspeed.optimizer == pytest.approx(params * 14 / 8)
+
+
+def test_the_last_stage_holds_the_loss_state_of_every_micro_batch_waiting_for_backward():
+    """The fused loss keeps the weight's fp32 gradient (4·vocab·h) from forward to backward:
+    once under 1F1B, for every micro-batch under GPipe, for p of them under zero-bubble
+    (plan/held.py). A zero-bubble stage also keeps each weight's output gradient between
+    its input and weight gradients, on later ranks for more chunks."""
+    model, shape = PRESETS["llama3-8b"], TrainShape(4096, 16)
+    last = {s: stage_memory(model, Layout(pp=4, vpp=1 if s in ("1f1b", "gpipe") else 2, schedule=s), shape, 3, 2,
+                            "flash", 80 * 2**30, stack=Stack())
+            for s in ("1f1b", "gpipe", "zero_bubble")}
+    assert last["gpipe"].logits == pytest.approx(16 * last["1f1b"].logits)
+    assert last["zero_bubble"].logits == pytest.approx(4 * last["1f1b"].logits)
+    assert last["1f1b"].logits > 4 * model.padded_vocab * model.hidden
+    zb = [stage_memory(model, Layout(pp=4, vpp=2, schedule="zero_bubble"), shape, r, 2, "flash", 80 * 2**30,
+                       stack=Stack()).activations for r in (1, 2)]
+    # ranks 1 and 2 hold the same layers and the same activations: the difference is one
+    # more chunk (half the rank's layers) of output gradients waiting for W (the norms' in
+    # fp32: without FSDP ember autocasts over fp32 weights and an fp32 residual stream)
+    waiting = 8 * 4096 / 2 * weight_grad_inputs(model, Layout(pp=4), 4, 2)
+    assert zb[1] - zb[0] == pytest.approx(waiting)

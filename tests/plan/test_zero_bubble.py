@@ -9,13 +9,14 @@ gradient. The step ends with the last action (the ranks then clip and step toget
 import itertools
 
 import pytest
+import torch
 from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.schedules import _ComputationType as Op
 
 from ember.layout import Layout
 from ember.plan.cluster import make_cluster
 from ember.plan.layout import TrainShape, candidates, parse_layout
-from ember.plan.memory import in_flight
+from ember.plan.held import awaiting_weight_grads, in_flight, output_in_flight, weight_grad_inputs
 from ember.plan.models import PRESETS
 from ember.plan.predict import predict
 from ember.plan.schedule import idle_share, pipeline_s
@@ -97,6 +98,65 @@ def test_activations_held_are_the_orders_peak(schedule, vpp):
                 peak = max(peak, held)
             lo = Layout(pp=pp, vpp=vpp, schedule=schedule)
             assert in_flight(lo, m, rank) == pytest.approx(peak / vpp), (pp, m, rank)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("zero_bubble", 2), ("zero_bubble", 4), ("zbv", 2), ("interleaved", 2),
+                                          ("interleaved", 3)])
+def test_what_waits_for_the_weight_gradient_is_the_orders(schedule, vpp):
+    """At each rank's activation peak: the chunks whose input gradient ran and whose weight
+    gradient did not (the first stage runs no input gradient), and the most micro-batches
+    of the last stage between its forward and its weight gradient (the loss's state)."""
+    for pp, rounds in itertools.product((2, 3, 4, 8), (1, 2, 3)):
+        m, last = rounds * pp, pp * vpp - 1
+        lo = Layout(pp=pp, vpp=vpp, schedule=schedule)
+        for rank, acts in orders(schedule, pp, vpp, m).items():
+            live, awaiting, at_peak, loss_state, most = set(), set(), (0, 0), set(), 0
+            for a in acts:
+                key = (a.stage_index, a.microbatch_index)
+                if a.computation_type == Op.FORWARD:
+                    live.add(key)
+                    loss_state |= {key} if a.stage_index == last else set()
+                elif a.computation_type == Op.BACKWARD_INPUT:
+                    awaiting |= {key} if a.stage_index > 0 else set()
+                else:
+                    for held in (live, awaiting, loss_state):
+                        held.discard(key)
+                at_peak = max(at_peak, (len(live), len(awaiting)))
+                most = max(most, len(loss_state))
+            assert awaiting_weight_grads(lo, m, rank) == pytest.approx(at_peak[1] / vpp), (pp, m, rank)
+            if most:
+                assert output_in_flight(lo, m) == most, (pp, m, rank)
+
+
+@pytest.mark.parametrize("shape", ["llama", "gpt"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_split_backward_keeps_what_the_planner_counts(shape, autocast):
+    """PyTorch's input-gradient pass on one real block records the gradients its weight
+    gradient will start from: their bytes are weight_grad_inputs' (unfused projections, as
+    ember runs zero-bubble stages; under autocast the residual stream, and so the norms'
+    gradients, stay fp32)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from ember.config import load_config
+    from ember.model.layers import Block
+    from ember.plan.models import from_config
+
+    extra = {"llama": [], "gpt": ["model.norm=layernorm", "model.activation=gelu", "model.positions=learned"]}[shape]
+    cfg = load_config("configs/tiny-gpt.toml", ["model.max_seq_len=64", "model.vocab_size=512", *extra])
+    torch.manual_seed(0)
+    block = Block(cfg.model)
+    for module in block.modules():
+        if hasattr(module, "fused"):
+            module.fused = False
+    x = torch.randn(2, 64, cfg.model.hidden, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = block(x)
+    _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], block.parameters())
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for group in groups for grads in group["grads"] for t in grads if t is not None}
+    assert len(groups) >= 8  # every weight's op: two norms, q, k, v, out, the MLP's
+    counted = weight_grad_inputs(from_config(cfg.model, shape), Layout(), 4, 2 if autocast else 4)
+    assert sum(kept.values()) / (2 * 64) == pytest.approx(counted)
 
 
 GPT3 = PRESETS["gpt3-175b"]  # LayerNorm and GELU: one kernel each compiled or not

@@ -23,7 +23,9 @@ matmul's input as its 1-byte cast (`fp8_saved_per_token`).
 Micro-batches in flight: the first stage holds p under 1F1B (stage i holds p - i), all m
 under GPipe, and p·(1 + (p-1)/(p·v)) under the interleaved schedule (Narayanan et al.
 2021); the zero-bubble schedules hold p on every rank, fewer on the first under zbv with
-few micro-batches (`in_flight`). The embedding sits on the first stage, the output layer
+few micro-batches, and also keep the weights' output gradients between the split backward's
+two halves; the loss's state is one micro-batch's but under GPipe and zero-bubble
+(plan/held.py). The embedding sits on the first stage, the output layer
 and the logits on the last (with pp > 1 a tied output layer is a second copy there). Each rank
 holds the layers `Layout.split` gives its stages, so uneven splits are sized rank by rank.
 """
@@ -34,9 +36,10 @@ import functools
 from dataclasses import dataclass, replace
 
 from ember.cost import chunk_tokens, gated, kv_hidden, matmul_params
-from ember.layout import Layout
+from ember.layout import ZERO_BUBBLE, Layout
 from ember.plan.cluster import Stack
 from ember.plan.eager import autocast_fp32_weights, eager_saved_bytes
+from ember.plan.held import awaiting_weight_grads, in_flight, output_in_flight, weight_grad_inputs
 from ember.plan.layout import TrainShape
 from ember.plan.stacks import STACKS
 
@@ -193,26 +196,6 @@ def fp8_saved_per_token(model, layout: Layout, stack: Stack = MEGATRON) -> float
     return kept * (2 * h / gathered_split + (h + f) / t)
 
 
-def in_flight(layout: Layout, micro_batches: int, stage: int) -> float:
-    """Micro-batches' worth of the stage's layers holding activations at the peak."""
-    p, v, m = layout.pp, layout.vpp, micro_batches
-    if p == 1:  # no pipeline: accumulation runs one micro-batch at a time whatever the schedule says
-        return 1
-    if layout.schedule == "gpipe":
-        return m
-    if layout.schedule == "interleaved":
-        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
-        return chunks / v
-    # The zero-bubble schedules keep a micro-batch's activations until its weight gradient,
-    # which they defer: every rank peaks at p of its stages' micro-batches, and under zbv
-    # short of 2p - 1 micro-batches rank r at (m + 1 + r) chunks of half its layers.
-    if layout.schedule == "zero_bubble":
-        return min(m, p)
-    if layout.schedule == "zbv":
-        return min(2 * p, m + 1 + stage) / 2
-    return min(m, p - stage)
-
-
 @dataclass
 class Memory:
     """Bytes per GPU on the fullest pipeline stage, by part."""
@@ -321,6 +304,10 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     if plain:
         per_token, per_layer = autocast_fp32_weights(model, layout, stack.eager_blocks)
         acts += in_flight(layout, m, stage) * (layers * tokens * per_token + uncovered * per_layer)
+    # A split backward keeps each weight's output gradient from I to W (plan/held.py).
+    awaiting = awaiting_weight_grads(layout, m, stage)
+    if awaiting:
+        acts += awaiting * layers * tokens * weight_grad_inputs(model, layout, 4 if fp32 or plain else 2, 2 * width)
     logits = 0.0
     vocab_t = model.padded_vocab / t
     chunked = stack.fused_loss and t == 1
@@ -330,6 +317,7 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
         logits = predicted * 4 * h + 4 * model.padded_vocab * h + tokens * 2 * width * h
     elif output:  # fp32 softmax kept for the loss's backward, final norm input
         logits = predicted * vocab_t * 4 + tokens * 2 * width * model.hidden
+    logits *= output_in_flight(layout, m)  # one micro-batch's, but GPipe's and zero-bubble's wait
     # Transients, the largest one at a time: recomputing one layer's activations (full
     # checkpointing), bf16 logits and their fp32 gradient during the loss, the MLP's widest
     # intermediate; plus communication buffers.
@@ -385,7 +373,7 @@ def memory(model, layout: Layout, shape: TrainShape, gpu, grad_bytes: int = 2, a
     """Memory of the fullest GPU: every distinct pipeline rank is sized and the largest returned."""
     capacity = gpu.memory_gib * GIB * (1 - DRIVER_RESERVE)
     stages = set(pipeline_ranks(model, layout).values())
-    if layout.schedule == "zbv":  # its later ranks hold more micro-batches (in_flight): size each
+    if layout.schedule in ZERO_BUBBLE:  # later ranks can hold more (plan/held.py): size each
         stages = set(range(layout.pp))
     runtime = getattr(gpu, "runtime_gib", RUNTIME_BYTES / GIB) * GIB
     return max((stage_memory(model, layout, shape, i, grad_bytes, attention, capacity, runtime, stack)
