@@ -232,3 +232,16 @@ def test_under_zbv_with_few_micro_batches_the_last_rank_holds_the_most():
     assert few.stage == 3
     many = memory(small_vocab, lo, TrainShape(4096, 16), gpu)  # every rank holds 2pp chunks; rank 0 the ends too
     assert many.stage == 0
+
+
+def test_a_zero_bubble_best_says_no_published_run_vouches_for_it():
+    from ember.plan.report import interval_notes
+    from ember.plan.search import rank
+
+    cluster, shape = make_cluster("H100-80GB", 16), TrainShape(4096, 64)
+    base = "tp=2,sp=1,pp=8,dp=1,mbs=1,recompute=full"
+    layouts = [parse_layout(f"{base},schedule={s}", 16) for s in ("1f1b", "interleaved,vpp=2", "zero_bubble,vpp=2")]
+    ranked = rank(LLAMA, cluster, shape, layouts)
+    notes = {p.layout.schedule: interval_notes([p]) for p in ranked}
+    assert any("zero-bubble" in note for note in notes["zero_bubble"])
+    assert not any("zero-bubble" in note for s in ("1f1b", "interleaved") for note in notes[s])

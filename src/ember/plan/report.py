@@ -125,6 +125,10 @@ def interval_notes(ranked: list[Prediction]) -> list[str]:
         notes.append("the best layout's kernel launches take about as long as its GPU work, where measured steps "
                      "spread widest (an eager host cost priced as a soft maximum); a larger micro-batch, CUDA "
                      "graphs or torch.compile move a run off it.")
+    if best.layout.pp > 1 and best.layout.schedule in ZERO_BUBBLE:
+        notes.append("no published run used a zero-bubble schedule: the best layout's interval is the error of the "
+                     "other pipeline schedules, and its time (PyTorch's action order, simulated) has been measured "
+                     "on CPUs only; confirm it against interleaved and 1f1b with `ember tune`.")
     close = ties(ranked)
     if close > 1:
         notes.append(f"{close} layouts are within the best's interval ({100 * lo:.0f}-{100 * hi:.0f}% MFU, the "
