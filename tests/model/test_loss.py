@@ -100,6 +100,32 @@ def test_sparse_prediction_with_positions_from_the_host_equals_the_boolean_mask(
     torch.testing.assert_close(with_positions, without)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_what_waits_for_backward_is_the_gradients_in_the_weights_dtype(dtype):
+    """Between forward and backward the loss keeps the hidden states' gradient (in their
+    dtype) and the weight's: fp32, but bf16 for a bf16 weight, which backward would round
+    it to anyway (FSDP's gathered parameter); the gradients then equal the fp32-kept ones
+    to bf16 rounding. fp16 keeps fp32 (loss scaling acts in backward)."""
+    torch.manual_seed(0)
+    n, hidden, vocab = 48, 32, 300
+    x = torch.randn(n, hidden).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden) * 0.3).to(dtype).requires_grad_()
+    y = torch.randint(0, vocab, (n,))
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = linear_cross_entropy(x, w, y, "sum", chunk=16)
+    w_bytes = 2 if dtype == torch.bfloat16 else 4
+    assert sum(t.numel() * t.element_size() for t in kept) == n * hidden * x.element_size() + vocab * hidden * w_bytes
+    grads = torch.autograd.grad(out * 0.37, (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        ref = _reference(x.float(), w.float(), y, "sum")
+    ref_grads = torch.autograd.grad(ref * 0.37, (x, w))
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == dtype
+        tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 _PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.nn.functional as F
     from ember.device import peak_memory_bytes, reset_peak_memory, resident_bytes

@@ -150,6 +150,9 @@ def test_embers_fused_loss_never_holds_the_micro_batchs_logits():
     fused = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, stack=Stack())
     plain = stage_memory(model, Layout(), shape, 0, 2, "flash", 80 * 2**30, stack=MEGATRON)
     assert fused.logits == pytest.approx(tokens * 4 * h + 4 * v * h + tokens * 2 * h)
+    # Under FSDP the hidden states and the gathered weight are bf16, and so are their gradients.
+    sharded = stage_memory(model, Layout(dp_shard=8, zero=3), shape, 0, 2, "flash", 80 * 2**30, stack=Stack())
+    assert sharded.logits == pytest.approx(tokens * 2 * h + 2 * v * h + tokens * 2 * h)
     assert plain.logits == pytest.approx(tokens * 4 * v + tokens * 2 * h)
     # The largest saving is the transient: one chunk's logits and gradient, not the batch's.
     assert fused.logits + fused.buffers < (plain.logits + plain.buffers) / 3

@@ -95,6 +95,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_w is not None:
                     _accumulate(grad_w, grad.T, xs)
                 del grad  # before the next chunk's logits exist, not after
+        if grad_w is not None and weight.dtype == torch.bfloat16:
+            # A bf16 weight (FSDP's gathered parameter) gets its gradient in bf16 in backward
+            # anyway; kept so, it waits for backward at half the size, once per micro-batch
+            # in flight (every one under GPipe, p under zero-bubble). fp16 keeps fp32: its
+            # loss scale, applied in backward, is what keeps small gradients from flushing.
+            grad_w = grad_w.to(weight.dtype)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         return total

@@ -312,9 +312,12 @@ def stage_memory(model, layout: Layout, shape: TrainShape, stage: int, grad_byte
     vocab_t = model.padded_vocab / t
     chunked = stack.fused_loss and t == 1
     predicted = tokens * model.predicted_fraction
-    if output and chunked:  # the gradients the fused loss hands to backward (fp32), final norm input
-        h = model.hidden
-        logits = predicted * 4 * h + 4 * model.padded_vocab * h + tokens * 2 * width * h
+    if output and chunked:  # the gradients the fused loss hands to backward, final norm input
+        # Under FSDP the hidden states and the gathered weight are bf16 (fp16) and the loss
+        # keeps their gradients so, the weight's in fp32 under fp16 (model/loss.py).
+        h, x_bytes = model.hidden, 4 if fp32 or plain else 2
+        w_bytes = 2 if x_bytes == 2 and shape.precision != "fp16" else 4
+        logits = predicted * x_bytes * h + w_bytes * model.padded_vocab * h + tokens * 2 * width * h
     elif output:  # fp32 softmax kept for the loss's backward, final norm input
         logits = predicted * vocab_t * 4 + tokens * 2 * width * model.hidden
     logits *= output_in_flight(layout, m)  # one micro-batch's, but GPipe's and zero-bubble's wait
