@@ -50,6 +50,10 @@ def test_bad_layouts_are_refused_in_one_sentence(world, sets, words):
     (1, ["parallel.vpp=2", "parallel.schedule=interleaved"], "needs parallel.pp > 1"),
     (1, ["parallel.schedule=zigzag"], "parallel.schedule='zigzag' is not one of"),
     (1, ["parallel.recompute=some"], "parallel.recompute must be one of"),
+    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zero_bubble", "parallel.recompute=full"],
+     "reruns a recomputed block's forward"),
+    (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=zbv", "parallel.recompute=selective"],
+     "set parallel.recompute=none or use schedule 'interleaved'"),
 ])
 def test_values_that_do_not_fit_each_other_are_refused_when_the_run_starts(world, sets, words):
     load_config(RECIPE, BASE + sets)  # each value alone is in range

@@ -270,6 +270,13 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
     elif model.layers < lo.stages:
         out.append(f"model.layers ({model.layers}) must be at least parallel.pp x parallel.vpp "
                    f"({lo.pp} x {lo.vpp} = {lo.stages}): every stage holds at least one layer")
+    if ember and lo.schedule in ZERO_BUBBLE and lo.recompute != "none":
+        # Measured on one block: its forward ran once in I and once per weight group in W
+        # (six times) under full recomputation; selective recomputation raises in W.
+        out.append(f"parallel.schedule={lo.schedule!r} splits each backward into input and weight gradients, and "
+                   f"PyTorch reruns a recomputed block's forward for each of its weight groups in the second "
+                   f"(selective recomputation cannot run twice at all); set parallel.recompute=none or use "
+                   f"schedule 'interleaved'")
     if compile and lo.schedule in ZERO_BUBBLE:
         out.append(f"parallel.schedule={lo.schedule!r} cannot run compiled stages (PyTorch splits their backward "
                    f"into input and weight gradients); set train.compile=false or use schedule 'interleaved'")

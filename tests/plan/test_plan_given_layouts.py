@@ -131,8 +131,8 @@ def test_a_zero_bubble_layout_is_priced_and_trained_uncompiled(capsys):
     """PyTorch cannot compile a zero-bubble schedule's stages: the command says so, so that a
     recipe with train.compile=true still runs the layout the planner priced."""
     out = plan_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch", "64",
-                             "--seq-len", "4096", "--layout", "tp=2,sp=1,pp=4,schedule=zbv,dp=1,mbs=1,recompute=full"])
-    assert out["layout"] == "tp=2,sp=1,pp=4,schedule=zbv,vpp=2,dp=1,mbs=1,recompute=full"
+                             "--seq-len", "4096", "--layout", "tp=2,sp=1,pp=4,schedule=zbv,dp=1,mbs=1,recompute=none"])
+    assert out["layout"] == "tp=2,sp=1,pp=4,schedule=zbv,vpp=2,dp=1,mbs=1,recompute=none"
     assert out["fits"] and "--set parallel.schedule=zbv" in out["command"]
     assert "--set train.compile=false" in out["command"]
     interleaved = plan_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch",

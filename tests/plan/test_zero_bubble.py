@@ -159,6 +159,32 @@ def test_a_split_backward_keeps_what_the_planner_counts(shape, autocast):
     assert sum(kept.values()) / (2 * 64) == pytest.approx(counted)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_split_backward_cannot_afford_recomputation(mode):
+    """Why ember refuses a zero-bubble schedule with recomputation (ember.layout): on one
+    real block, the weight-gradient pass reruns a fully recomputed block's forward once per
+    weight group, and a selectively recomputed one cannot run backward a second time."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from ember.config import load_config
+    from ember.model.layers import Block
+    from ember.parallel.recompute import _checkpointed, _selective
+
+    cfg = load_config("configs/tiny-gpt.toml", ["model.max_seq_len=64", "model.vocab_size=512"])
+    block, forwards = Block(cfg.model), []
+    block.attn_norm.register_forward_pre_hook(lambda *_: forwards.append(1))
+    x = torch.randn(2, 64, cfg.model.hidden, requires_grad=True)
+    y = (_checkpointed if mode == "full" else _selective)(block.forward, x)
+    _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], block.parameters())
+    assert len(forwards) == 2  # the forward, and the recomputation for the input gradient
+    if mode == "selective":
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            stage_backward_weight(block.parameters(), groups)
+        return
+    stage_backward_weight(block.parameters(), groups)
+    assert len(forwards) - 2 == len(groups) > 1
+
+
 GPT3 = PRESETS["gpt3-175b"]  # LayerNorm and GELU: one kernel each compiled or not
 LLAMA = PRESETS["llama3-8b"]  # RMSNorm, rotary, SwiGLU: eager composites when not compiled
 
@@ -239,7 +265,7 @@ def test_a_zero_bubble_best_says_no_published_run_vouches_for_it():
     from ember.plan.search import rank
 
     cluster, shape = make_cluster("H100-80GB", 16), TrainShape(4096, 64)
-    base = "tp=2,sp=1,pp=8,dp=1,mbs=1,recompute=full"
+    base = "tp=2,sp=1,pp=8,dp=1,mbs=1,recompute=none"
     layouts = [parse_layout(f"{base},schedule={s}", 16) for s in ("1f1b", "interleaved,vpp=2", "zero_bubble,vpp=2")]
     ranked = rank(LLAMA, cluster, shape, layouts)
     notes = {p.layout.schedule: interval_notes([p]) for p in ranked}
