@@ -19,7 +19,8 @@ and checks each function here against them.
   of the op that uses it (the matmul's output, the norm's), and W starts from those. They
   are held from I to W: on rank r of `zero_bubble` r + 1 chunks at the activation peak, on
   every rank of `zbv` one. The first stage runs no I (its input needs no gradient), so it
-  keeps none.
+  keeps none. (Recomputation would rerun a block's forward per weight group in W, so
+  ember's trainer refuses it under these schedules: ember.layout.)
 """
 
 from __future__ import annotations
