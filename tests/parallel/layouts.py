@@ -15,6 +15,7 @@ TWO_RANKS = [
     {"name": "pp2-1f1b", "set": {"parallel.pp": 2, "parallel.schedule": "1f1b"}},
     {"name": "pp2-interleaved", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"}},
     {"name": "pp2-stages-3+1", "set": {"parallel.pp": 2, "parallel.stage_layers": "[3,1]"}},
+    {"name": "pp2-zero-bubble", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zero_bubble"}},
 ]
 
 # Run in one launch of 4 processes.
@@ -26,6 +27,10 @@ FOUR_RANKS = [
     {"name": "pp2xtp2+sp", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}},
     {"name": "pp2xdp2-zero1", "set": {"parallel.pp": 2, "parallel.zero": 1}},
     {"name": "pp2xzero3x2", "set": {"parallel.pp": 2, "parallel.zero": 3}},
+    {"name": "pp2xdp2-zero1-zbv", "set": {"parallel.pp": 2, "parallel.zero": 1, "parallel.vpp": 2,
+                                          "parallel.schedule": "zbv"}},
+    {"name": "pp2xtp2-zero-bubble", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.vpp": 2,
+                                            "parallel.schedule": "zero_bubble"}},
 ]
 
 OBJECTIVES = ("causal", "mlm")
