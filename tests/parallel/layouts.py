@@ -16,6 +16,9 @@ TWO_RANKS = [
     {"name": "pp2-interleaved", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved"}},
     {"name": "pp2-stages-3+1", "set": {"parallel.pp": 2, "parallel.stage_layers": "[3,1]"}},
     {"name": "pp2-zero-bubble", "set": {"parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "zero_bubble"}},
+    {"name": "pp2-interleaved+selective-recompute", "set": {"parallel.pp": 2, "parallel.vpp": 2,
+                                                            "parallel.schedule": "interleaved",
+                                                            "parallel.recompute": "selective"}},
 ]
 
 # Run in one launch of 4 processes.
@@ -31,6 +34,13 @@ FOUR_RANKS = [
                                           "parallel.schedule": "zbv"}},
     {"name": "pp2xtp2-zero-bubble", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.vpp": 2,
                                             "parallel.schedule": "zero_bubble"}},
+    {"name": "pp2xzero3x2-zero-bubble", "set": {"parallel.pp": 2, "parallel.zero": 3, "parallel.vpp": 2,
+                                                "parallel.schedule": "zero_bubble"}},
+    {"name": "pp2xzero3x2-interleaved+full-recompute", "set": {"parallel.pp": 2, "parallel.zero": 3, "parallel.vpp": 2,
+                                                               "parallel.schedule": "interleaved",
+                                                               "parallel.recompute": "full"}},
+    {"name": "pp2xtp2+sp-zbv", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True, "parallel.vpp": 2,
+                                       "parallel.schedule": "zbv"}},
 ]
 
 OBJECTIVES = ("causal", "mlm")
