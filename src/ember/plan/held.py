@@ -25,7 +25,7 @@ and checks each function here against them.
 
 from __future__ import annotations
 
-from ember.cost import gated, kv_hidden
+from ember.cost import layer_matmuls
 from ember.layout import ZERO_BUBBLE, Layout
 
 
@@ -75,7 +75,7 @@ def weight_grad_inputs(model, layout: Layout, norm_bytes: int, out_bytes: int) -
     (fp32 where ember autocasts over fp32 weights), the column-parallel projections' (q,
     k, v, gate, up: split by tp) and the row-parallel ones' (attention output and down:
     the whole local partial sum, h) in the matmul's output dtype."""
-    h, t = model.hidden, layout.tp
-    column = (h + 2 * kv_hidden(model) + (2 if gated(model) else 1) * model.mlp_hidden) / t
-    norms = 2 * h / (t if layout.sp else 1)
-    return norms * norm_bytes + (column + 2 * h) * out_bytes
+    widths = {name: out for name, (_, out) in layer_matmuls(model).items()}
+    column, row = (widths["qkv"] + widths["up"]) / layout.tp, widths["out"] + widths["down"]
+    norms = 2 * model.hidden / (layout.tp if layout.sp else 1)
+    return norms * norm_bytes + (column + row) * out_bytes
