@@ -19,6 +19,8 @@ TWO_RANKS = [
     {"name": "pp2-interleaved+selective-recompute", "set": {"parallel.pp": 2, "parallel.vpp": 2,
                                                             "parallel.schedule": "interleaved",
                                                             "parallel.recompute": "selective"}},
+    {"name": "tp2+full-recompute-every-2", "set": {"parallel.tp": 2, "parallel.recompute": "full",
+                                                    "parallel.recompute_every": 2}},
 ]
 
 # Run in one launch of 4 processes.
@@ -26,9 +28,14 @@ FOUR_RANKS = [
     {"name": "hybrid2x2-zero3", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3}},
     {"name": "hybrid2x2-zero1", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 1}},
     {"name": "dp2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 1}},
+    {"name": "zero3x2xtp2", "set": {"parallel.tp": 2, "parallel.zero": 3}},
+    {"name": "zero2x2xtp2+sp+selective-recompute", "set": {"parallel.tp": 2, "parallel.sp": True, "parallel.zero": 2,
+                                                            "parallel.recompute": "selective"}},
+    {"name": "hybrid2x2-zero2", "set": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 2}},
     {"name": "pp2xtp2", "set": {"parallel.pp": 2, "parallel.tp": 2}},
     {"name": "pp2xtp2+sp", "set": {"parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True}},
     {"name": "pp2xdp2-zero1", "set": {"parallel.pp": 2, "parallel.zero": 1}},
+    {"name": "pp2xdp2-zero2", "set": {"parallel.pp": 2, "parallel.zero": 2}},
     {"name": "pp2xzero3x2", "set": {"parallel.pp": 2, "parallel.zero": 3}},
     {"name": "pp2xdp2-zero1-zbv", "set": {"parallel.pp": 2, "parallel.zero": 1, "parallel.vpp": 2,
                                           "parallel.schedule": "zbv"}},
