@@ -91,9 +91,10 @@ def write_recipe(folder: Path, data: Path) -> Path:
 def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
     """The profile of a rank when `nproc` processes share `cores` cores: every rate the
     calibration measured (matmul, memory copy, collectives) divided among them, and the
-    host's dispatch (per kernel, and eager tensor parallelism's per layer) as much slower,
+    host's dispatch (per kernel, and eager tensor parallelism's and FSDP2's per layer) as much slower,
     since it runs on the same cores. With one thread per process, a rank is one core when
     nproc <= cores."""
+    from ember.plan.calibrate import HOST_FIGURES
     from ember.plan.stacks import STACKS
 
     if nproc <= cores:
@@ -108,8 +109,9 @@ def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
             data["links"][key] *= share
     stack = data.setdefault("stack", {})
     stack["host_s_per_kernel"] = stack.get("host_s_per_kernel", STACKS["ember"].host_s_per_kernel) / share
-    if "tp_host_s_per_layer" in stack:
-        stack["tp_host_s_per_layer"] /= share
+    for key in HOST_FIGURES:  # eager tensor parallelism's and FSDP2's, per layer
+        if key in stack:
+            stack[key] /= share
     for row in data.get("matmuls", {}).get("times", []):
         row[4] /= share
     data["source"] += f"; {nproc} processes on {cores} cores: rates x {share:g}, host times / {share:g}"

@@ -59,10 +59,10 @@ def _loss(value) -> str:
     return "-" if value is None or value != value else f"{value:.4f}"  # None or NaN: never measured
 
 
-def _measure_tp_block(device, iters: int) -> dict:
-    from ember.tune.host_cost import split_block_host
+def _measure_host_blocks(device, iters: int) -> dict:
+    from ember.tune.host_cost import sharded_block_host, split_block_host
 
-    return split_block_host(device, iters)
+    return {"tp": split_block_host(device, iters), "sharded": sharded_block_host(device, iters)}
 
 
 def _cmd_report(args) -> int:
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(verbs)
     register_eval(verbs)
     register_export(verbs)
-    register_plan(verbs, measure_tp_block=_measure_tp_block)
+    register_plan(verbs, measure_host_blocks=_measure_host_blocks)
     register_tune(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")

@@ -74,9 +74,17 @@ def test_under_torchrun_with_gloo_measures_collectives(tmp_path):
     assert comm.bus_bandwidth(comm.Group(2, 2), cluster.links) == pytest.approx(best * 1e9, rel=1e-3)
     # Eager tensor parallelism's host cost: the split block issues the four all-reduces the
     # planner prices, and what it costs beyond them reaches the profile's stack.
-    block = profile["measured"]["tp_block"]
+    block = profile["measured"]["host_blocks"]["tp"]
     assert block["collectives"] == 4 and block["split_s"] > block["plain_s"] > 0
     assert cluster.stack.tp_host_s_per_layer == block["tp_host_s_per_layer"] >= 0
+    # FSDP2's: kept after forward, one gather and one reduce-scatter a pass; resharded
+    # (ZeRO-3), gathered again for backward; what each adds beyond them reaches the stack.
+    sharded = profile["measured"]["host_blocks"]["sharded"]
+    assert sharded["shard_collectives"] == ["all_gather", "reduce_scatter"]
+    assert sharded["reshard_collectives"] == ["all_gather", "all_gather", "reduce_scatter"]
+    assert sharded["reshard_s"] > sharded["plain_s"] > 0 and sharded["shard_s"] > sharded["plain_s"]
+    assert cluster.stack.shard_host_s_per_layer == sharded["shard_host_s_per_layer"] >= 0
+    assert cluster.stack.reshard_host_s_per_layer == sharded["reshard_host_s_per_layer"] >= 0
     assert cluster.stack.host_overlaps is False  # a CPU: dispatch and compute share the cores
 
 

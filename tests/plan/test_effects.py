@@ -243,33 +243,6 @@ def test_tensor_parallel_collectives_are_host_calls():
     assert counted[0].total == pytest.approx((host_fwd**p + gpu_only[0].total**p) ** (1 / p))
 
 
-def test_eager_tensor_parallelism_adds_its_measured_host_time():
-    """A calibrated stack's tp_host_s_per_layer lands on every tensor-parallel layer's host
-    time: added outright where host and compute share the cores (a CPU), through the soft
-    maximum on a GPU; a compiled run (run_stack) has none."""
-    from ember.config import load_config
-    from ember.plan.stacks import run_stack
-    from conftest import REPO
-
-    tiny = PRESETS["gpt2-small"].with_shape(layers=2, hidden=256, heads=4, mlp_hidden=1024)
-    shape, lo = TrainShape(128, 8), Layout(tp=2, micro_batch=8)
-    base = make_cluster("A100-80GB", 2)
-    cpu_like = dataclasses.replace(base, stack=dataclasses.replace(base.stack, host_overlaps=False))
-    measured = dataclasses.replace(cpu_like, stack=dataclasses.replace(cpu_like.stack, tp_host_s_per_layer=6e-3))
-    without = _stage_work(tiny, cpu_like, shape, lo, 0)
-    with_tp = _stage_work(tiny, measured, shape, lo, 0)
-    # two layers, each paying 6 ms across its forward and backward
-    assert (with_tp[0].total + with_tp[1].total) - (without[0].total + without[1].total) == pytest.approx(2 * 6e-3)
-    assert _stage_work(tiny, measured, shape, Layout(micro_batch=8), 0)[0].total == pytest.approx(
-        _stage_work(tiny, cpu_like, shape, Layout(micro_batch=8), 0)[0].total)  # no tensor parallelism, no cost
-    compiled_run = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=true"])
-    compiled = dataclasses.replace(measured, stack=run_stack(measured.stack, compiled_run, "cpu"))
-    assert _stage_work(tiny, compiled, shape, lo, 0)[0].total == pytest.approx(without[0].total)
-    eager_run = load_config(REPO / "configs/tiny-gpt.toml", ["train.compile=false"])
-    eager = dataclasses.replace(measured, stack=run_stack(measured.stack, eager_run, "cpu"))
-    assert _stage_work(tiny, eager, shape, lo, 0)[0].total == pytest.approx(with_tp[0].total)
-
-
 def test_each_stack_reruns_what_its_selective_recomputation_reruns():
     assert stack("ember").recompute_policy("selective") == "selective"
     assert stack("megatron").recompute_policy("selective") == "selective-attention"

@@ -16,8 +16,10 @@ What it measures:
   message's time its per-collective latency. With several nodes (WORLD_SIZE >
   LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
   ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
-- under torchrun on one node: the host time an eager tensor-parallel block adds beyond its
-  collectives (tune/host_cost.py), into the stack's `tp_host_s_per_layer`.
+- under torchrun on one node: the host time an eager tensor-parallel block, and a block
+  sharded with FSDP2 as ZeRO-1/2 and ZeRO-3 run it, add beyond their collectives
+  (tune/host_cost.py), into the stack's `tp_host_s_per_layer`, `shard_host_s_per_layer` and
+  `reshard_host_s_per_layer`.
 
 Run alone it measures one process and leaves the links at the device's defaults.
 """
@@ -48,6 +50,9 @@ MIN_TIME = {True: 0.05, False: 0.5}  # seconds each measurement runs (quick, ful
 # machine the matmul rate of successive calibrations moved 21% with one burst and 2% with
 # three (benchmarks/calibration_spread.py).
 REPEATS = 3
+# The host figures a calibration under torchrun measures (tune/host_cost.py) into the
+# profile's stack section.
+HOST_FIGURES = ("tp_host_s_per_layer", "shard_host_s_per_layer", "reshard_host_s_per_layer")
 MATMUL_SIZES = {("cpu", True): (256, 512, 1024), ("cpu", False): (256, 512, 1024, 2048),
                 ("cuda", True): (1024, 2048, 4096), ("cuda", False): (1024, 2048, 4096, 8192, 16384)}
 COPY_BYTES = {("cpu", True): 2**25, ("cpu", False): 2**28, ("cuda", True): 2**28, ("cuda", False): 2**30}
@@ -223,7 +228,7 @@ def describe_device(device: torch.device, local_world: int, idle_bytes: int | No
 
 def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], copy_gbps: float,
                   collectives: dict, world: int, local_world: int, attention: dict | None = None,
-                  tp_block: dict | None = None) -> dict:
+                  host_blocks: dict | None = None) -> dict:
     """The profile file's content from the measurements (see the module docstring). `known`
     is the GPU table's row for the device (None for CPUs and unknown GPUs)."""
     from ember.hardware import GPU
@@ -260,11 +265,11 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
               f"({processes}, {dtype_name})")
     measured = {"dtype": dtype_name, "world_size": world, "local_world_size": local_world,
                 "matmul": matmuls, "best_matmul_tflops": best["tflops"], "copy_gbps": copy_gbps,
-                "attention": attention, "tp_block": tp_block, **collectives}
+                "attention": attention, "host_blocks": host_blocks, **collectives}
     profile = {"format": "ember-plan-profile/1", "source": source, "gpu": gpu, "links": links, "measured": measured}
     stack = {}
-    if tp_block is not None:
-        stack["tp_host_s_per_layer"] = tp_block["tp_host_s_per_layer"]
+    for block in (host_blocks or {}).values():  # {"tp": {...}, "sharded": {...}}
+        stack |= {key: block[key] for key in HOST_FIGURES if key in block}
     if device["name"] == "cpu (calibrated)":
         # gloo's collectives run on the same cores as the compute they would hide behind,
         # and so does the host's dispatch: on a CPU nothing overlaps.
@@ -313,11 +318,11 @@ def _collective_sections(device: torch.device, quick: bool, world: int, local_wo
     return out
 
 
-def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_tp_block=None,
+def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_host_blocks=None,
               model_plan: tuple | None = None) -> dict | None:
     """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0.
-    `measure_tp_block(device, iters)`: the eager tensor-parallel block's host cost
-    (ember.tune.host_cost.split_block_host, which `ember plan calibrate` passes in).
+    `measure_host_blocks(device, iters)`: the host cost of a tensor-parallel and of a sharded
+    block (ember.tune.host_cost, which `ember plan calibrate` passes in), HOST_FIGURES.
     `model_plan` (model, GPUs or None for this node, TrainShape): also time the matmuls the
     planner prices for that model's layouts (plan/kernels.py) into the profile's `matmuls`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -353,14 +358,14 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
         copy_gbps = measure_copy(device, COPY_BYTES[(device.type, quick)], quick_min)
         attention = measure_attention(device, torch_dtype, ATTENTION[(device.type, quick)], quick_min)
         collectives = _collective_sections(device, quick, world, local_world) if world > 1 else {}
-        tp_block = None
-        if measure_tp_block is not None and world > 1 and world == local_world:  # tp stays in a node
-            tp_block = measure_tp_block(device, 50 if quick else 300)
+        host_blocks = None
+        if measure_host_blocks is not None and world > 1 and world == local_world:  # tp stays in a node
+            host_blocks = measure_host_blocks(device, 50 if quick else 300)
         profile = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             known, info = describe_device(device, per_node, idle)
             profile = build_profile(known, info, dtype, matmuls, copy_gbps, collectives, world, per_node,
-                                    attention, tp_block)
+                                    attention, host_blocks)
             out.parent.mkdir(parents=True, exist_ok=True)
             write_text(out, json.dumps(profile, indent=2) + "\n")
         if model_plan is not None:

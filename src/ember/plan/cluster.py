@@ -89,6 +89,13 @@ class Stack:
     # kernels and collectives (eager DTensor dispatch; tune/host_cost.py measures it when
     # `ember plan calibrate` runs under torchrun). 0 where unmeasured.
     tp_host_s_per_layer: float = 0.0
+    # Host time ZeRO's FSDP2 adds to one sharded unit's forward and backward beyond its
+    # collectives (its hooks, the copies into and out of the flat buffers, the sharded
+    # tensors' bookkeeping; tune/host_cost.py measures both when `ember plan calibrate` runs
+    # under torchrun): weights kept after forward (ZeRO-1/2) and resharded (ZeRO-3). Compiled
+    # blocks pay it too: the hooks run outside the graph. 0 where unmeasured.
+    shard_host_s_per_layer: float = 0.0
+    reshard_host_s_per_layer: float = 0.0
     # Whether ember's trainer compiles the blocks (plan/stacks.py: run_stack, from a recipe's
     # train.compile), which traces DTensor's dispatch away: no tp_host_s_per_layer then.
     compiled: bool = False

@@ -20,9 +20,9 @@ EPILOG = """examples:
   ember plan calibrate --out profile.json --model llama3-8b --seq-len 8192 --global-batch 512   # and its matmuls"""
 
 
-def register_plan(verbs, measure_tp_block=None) -> None:
-    """`measure_tp_block(device, iters) -> dict`: what eager tensor parallelism costs the host
-    per block (ember.tune.host_cost), given by the caller: measuring ember's own block is
+def register_plan(verbs, measure_host_blocks=None) -> None:
+    """`measure_host_blocks(device, iters) -> dict`: what eager tensor parallelism and FSDP2
+    cost the host per block (ember.tune.host_cost), given by the caller: measuring ember's own block is
     above this package, which prices layouts from numbers alone."""
     plan = verbs.add_parser("plan", help="predict memory and step time of parallel layouts and rank them",
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,7 +74,7 @@ def register_plan(verbs, measure_tp_block=None) -> None:
     calibrate.add_argument("--global-batch", type=int, help="with --model: sequences per optimizer step")
     calibrate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                            help="with --model: override a recipe value, or a preset's shape (model.vocab_size=32000)")
-    calibrate.set_defaults(func=run_calibrate, measure_tp_block=measure_tp_block)
+    calibrate.set_defaults(func=run_calibrate, measure_host_blocks=measure_host_blocks)
 
 
 def _stack(args, base):
@@ -318,7 +318,7 @@ def run_calibrate(args) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
-    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_tp_block", None), _model_plan(args))
+    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_host_blocks", None), _model_plan(args))
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0

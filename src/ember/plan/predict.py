@@ -125,9 +125,12 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     # Eager tensor parallelism's own host work (DTensor dispatch), measured per layer pass
     # and shared between forward and backward as their kernels are.
     tp_host = stack.tp_host_s_per_layer if lo.tp > 1 and not stack.compiled else 0.0
+    # ZeRO's FSDP2 host work, on every sharded unit: the blocks, the embedding and the output layer.
+    fsdp_host = (n + _edge_units(model, lo, stage)) * fsdp_host_s(lo, stack, lo.micro_batches(shape.global_batch))
     share = 1 / (1 + BACKWARD_KERNELS)
-    fwd_host = n * tp_host * share
-    bwd_host = n * tp_host * (1 - share) + (again * tp_host * share if lo.recompute == "full" else 0.0)
+    fwd_host = n * tp_host * share + fsdp_host * share
+    bwd_host = (n * tp_host * (1 - share) + fsdp_host * (1 - share)
+                + (again * tp_host * share if lo.recompute == "full" else 0.0))
     if embedding:
         embed_fwd, embed_bwd = embed_times(model, cluster.gpu, cluster.links, local_seq, lo.micro_batch, lo.tp,
                                            lo.sp, width)
@@ -156,6 +159,22 @@ def fp8_weight_cast_s(model, shape: TrainShape, lo: Layout, stage: int, gpu) -> 
         return 0.0
     weights = matmul_params(model)["layer"] / lo.tp
     return memory_s(lo.rank_layers(model)[stage] * weights * FP8_CAST_BYTES, gpu)
+
+
+def fsdp_host_s(lo: Layout, stack, micro_batches: int) -> float:
+    """Host seconds FSDP2 adds to one sharded unit's micro-batch (forward and backward),
+    from the stack's measured figures (tune/host_cost.py times a unit's whole pass with its
+    gathers and reduction). ZeRO-3 gathers again and reduces every micro-batch, ZeRO-2
+    reduces every micro-batch; ZeRO-1, and any ZeRO under a pipeline (`defers_reduction`),
+    gathers and reduces once a step, so its pass's cost is spread over the micro-batches."""
+    if lo.zero == 0:
+        return 0.0
+    deferred = defers_reduction(lo, stack)
+    if lo.zero >= 3 and not deferred:
+        return stack.reshard_host_s_per_layer
+    if lo.zero == 2 and not deferred:
+        return stack.shard_host_s_per_layer
+    return stack.shard_host_s_per_layer / micro_batches
 
 
 def tp_collectives(lo: Layout) -> int:

@@ -1,15 +1,23 @@
-"""What tensor parallelism costs the host, measured: one of ember's blocks, forward and
-backward on tensors too small for compute to matter, plain and split over a tensor-parallel
-mesh of every rank (eager DTensor), beside the collectives the split block issues.
+"""What tensor parallelism and ZeRO cost the host, measured: one of ember's blocks, forward
+and backward on tensors too small for compute to matter, plain and in the parallel form,
+beside the collectives the parallel form issues.
 
-    host time the split adds = split block - plain block - collectives x (one small all-reduce)
+    host time a form adds = parallel block - plain block - its collectives, timed alone
 
-Eager DTensor dispatch (sharding propagation, redistribution, the wrapper tensors) costs
-the host far more than a plain op. `ember plan calibrate` stores the figure as the stack's
-`tp_host_s_per_layer`, which the planner adds to every tensor-parallel layer's host time
-(plan/predict.py); ember's command line hands this function to it, since the planner's
-package does not import the model. A compiled block traces the dispatch away, so this
-prices eager runs. All ranks of the (initialised) default process group must call it.
+- Split over a tensor-parallel mesh of every rank (eager DTensor): dispatch (sharding
+  propagation, redistribution, the wrapper tensors) costs the host far more than a plain
+  op. `ember plan calibrate` stores the figure as the stack's `tp_host_s_per_layer`; a
+  compiled block traces the dispatch away, so it prices eager runs.
+- Sharded with FSDP2 (`fully_shard`) over every rank, as ZeRO-1/2 (parameters kept after
+  forward) and ZeRO-3 (resharded after forward, gathered again for backward) run it: the
+  hooks around each pass, the copies into and out of the flat collective buffers, and the
+  DTensor bookkeeping of the sharded parameters and gradients. Stored as
+  `shard_host_s_per_layer` and `reshard_host_s_per_layer`; compiling the blocks leaves the
+  hooks outside the compiled graph, so every run pays them.
+
+The planner adds these to each layer's host time (plan/predict.py). ember's command line
+hands the functions to the calibration, since the planner's package does not import the
+model. All ranks of the (initialised) default process group must call them.
 """
 
 from __future__ import annotations
@@ -37,20 +45,63 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class RecordGathers(TorchDispatchMode):
+    """Notes the all-gathers and reduce-scatters FSDP2 issues (c10d's ops, which reach the
+    dispatcher), with their output and input shapes and dtype, so they can be timed alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
+            kind = "all_gather" if "allgather" in name else "reduce_scatter"
+            self.calls.append((kind, tuple(args[0].shape), tuple(args[1].shape), args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def _block_config(n: int):
+    from ember.config import ModelConfig
+
+    return ModelConfig(objective="causal", vocab_size=128, hidden=64 * n, layers=1, heads=2 * n,
+                       mlp_hidden=256 * n, max_seq_len=16)
+
+
+def _seconds(fn, device: torch.device, iters: int) -> float:
+    """Seconds per call: the fastest of REPEATS bursts, all ranks in step. What a form adds
+    is a difference of measurements, so a burst slowed by another process would land in it
+    whole."""
+    from ember.device import synchronize
+    from ember.plan.calibrate import REPEATS
+
+    def sync():
+        synchronize(device)
+        dist.barrier()
+
+    for _ in range(min(10, iters)):
+        fn()
+    best = float("inf")
+    for _ in range(REPEATS):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def split_block_host(device: torch.device, iters: int) -> dict:
     """Seconds per forward and backward of a small block, plain and split over all ranks;
     the collectives in the split pass; one small all-reduce; and what the split adds."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ember.config import ModelConfig
-    from ember.device import synchronize
     from ember.model.layers import Block
-    from ember.plan.calibrate import REPEATS
     from ember.parallel.tensor import apply_tensor_parallel
 
     n = dist.get_world_size()
-    cfg = ModelConfig(objective="causal", vocab_size=128, hidden=64 * n, layers=1, heads=2 * n, mlp_hidden=256 * n,
-                      max_seq_len=16)
+    cfg = _block_config(n)
 
     class OneBlock(nn.Module):  # the layout apply_tensor_parallel expects: blocks by name
         def __init__(self):
@@ -60,35 +111,55 @@ def split_block_host(device: torch.device, iters: int) -> dict:
         def forward(self, x):
             return self.blocks["0"](x)
 
-    def sync():
-        synchronize(device)
-        dist.barrier()
-
-    def seconds(fn) -> float:
-        """The fastest of REPEATS bursts: `extra` below is a difference of measurements, so
-        a burst slowed by another process would land in it whole."""
-        for _ in range(min(10, iters)):
-            fn()
-        best = float("inf")
-        for _ in range(REPEATS):
-            sync()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            sync()
-            best = min(best, (time.perf_counter() - start) / iters)
-        return best
-
     torch.manual_seed(0)  # the same block and input on every rank, as tensor parallelism expects
     x = torch.randn(1, 16, cfg.hidden, device=device, requires_grad=True)
     plain, split = OneBlock().to(device), OneBlock().to(device)
-    plain_s = seconds(lambda: plain(x).sum().backward())
+    plain_s = _seconds(lambda: plain(x).sum().backward(), device, iters)
     apply_tensor_parallel(split, init_device_mesh(device.type, (n,)), sequence_parallel=False)
-    split_s = seconds(lambda: split(x).sum().backward())
+    split_s = _seconds(lambda: split(x).sum().backward(), device, iters)
     with CountCollectives() as counter:
         split(x).sum().backward()
     small = torch.zeros(16, device=device)
-    all_reduce_s = seconds(lambda: dist.all_reduce(small))
+    all_reduce_s = _seconds(lambda: dist.all_reduce(small), device, iters)
     extra = split_s - plain_s - counter.count * all_reduce_s
     return {"hidden": cfg.hidden, "tp": n, "plain_s": plain_s, "split_s": split_s, "collectives": counter.count,
             "all_reduce_s": all_reduce_s, "tp_host_s_per_layer": max(0.0, extra)}
+
+
+def sharded_block_host(device: torch.device, iters: int) -> dict:
+    """Seconds per forward and backward of a small block, plain and sharded with FSDP2 over
+    all ranks, kept after forward (ZeRO-1/2) and resharded (ZeRO-3); the collectives each
+    sharded pass issued, timed alone at their sizes; and what each form adds beyond them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ember.model.layers import Block
+
+    n = dist.get_world_size()
+    cfg = _block_config(n)
+    mesh = init_device_mesh(device.type, (n,))
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, cfg.hidden, device=device, requires_grad=True)
+    plain = Block(cfg).to(device)
+    plain_s = _seconds(lambda: plain(x).sum().backward(), device, iters)
+    out = {"hidden": cfg.hidden, "ranks": n, "plain_s": plain_s}
+    for name, reshard in (("shard", False), ("reshard", True)):
+        block = Block(cfg).to(device)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        sharded_s = _seconds(lambda: block(x).sum().backward(), device, iters)
+        with RecordGathers() as recorder:
+            block(x).sum().backward()
+        collectives_s = sum(_collective_s(call, device, iters) for call in recorder.calls)
+        out |= {f"{name}_s": sharded_s, f"{name}_collectives": [c[0] for c in recorder.calls],
+                f"{name}_collectives_s": collectives_s,
+                f"{name}_host_s_per_layer": max(0.0, sharded_s - plain_s - collectives_s)}
+    return out
+
+
+def _collective_s(call: tuple, device: torch.device, iters: int) -> float:
+    """One recorded all-gather or reduce-scatter, timed alone at its sizes."""
+    kind, out_shape, in_shape, dtype = call
+    output = torch.zeros(out_shape, device=device, dtype=dtype)
+    source = torch.zeros(in_shape, device=device, dtype=dtype)
+    run = dist.all_gather_into_tensor if kind == "all_gather" else dist.reduce_scatter_tensor
+    return _seconds(lambda: run(output, source), device, iters)
