@@ -15,6 +15,7 @@ from ember.plan.memory import stage_params
 from ember.plan.models import PRESETS
 from ember.plan.search import search
 from ember.plan.stacks import stack
+from ember.plan.fsdp import fsdp_copy_bytes
 from ember.plan.predict import (
     HOST_OVERLAP_POWER,
     DDP_BUCKET_BYTES,
@@ -374,3 +375,27 @@ def test_each_stack_issues_its_gradient_reduction_as_its_software_buckets_it():
     assert units("ember", 0) == -(-grads // DDP_BUCKET_BYTES)
     assert units("nemo", 1) == -(-params // 64e6)  # 1M x 64 ranks > 40M
     assert units("megatron", 1) == units("deepspeed", 2) == 1
+
+
+def test_fsdp2_copies_gathered_weights_and_reduced_gradients_on_the_compute_stream():
+    """ZeRO-3 under FSDP2 reads and writes every gathered weight in forward and again in
+    backward, and casts every gradient into the reduce-scatter input, each micro-batch;
+    ZeRO-2 gathers once a step; ZeRO-1 does both once a step; FSDP1 (llm-foundry) and
+    Megatron-LM copy nothing. A stage's compute pays it at the memory rate."""
+    p, shape, mb = 1e9, TrainShape(2048, 64), 8
+    fp32_reduce = stack("ember", grad_dtype="fp32")  # bf16 weights, gradients reduced in fp32
+    zero = {z: Layout(dp_shard=8, zero=z, micro_batch=1) for z in (0, 1, 2, 3)}
+    assert fsdp_copy_bytes(p, zero[3], fp32_reduce, shape, mb, 4) == (4 * p, 4 * p + 6 * p)
+    assert fsdp_copy_bytes(p, zero[2], fp32_reduce, shape, mb, 4) == (4 * p / mb, 6 * p)
+    assert fsdp_copy_bytes(p, zero[1], fp32_reduce, shape, mb, 4) == (4 * p / mb, 6 * p / mb)
+    assert fsdp_copy_bytes(p, zero[0], fp32_reduce, shape, mb, 4) == (0, 0)
+    for other in ("llm-foundry", "megatron", "deepspeed"):
+        assert fsdp_copy_bytes(p, zero[3], stack(other), shape, mb, 4) == (0, 0)
+    model = PRESETS["llama3-8b"]
+    cluster = make_cluster("H100", 8, stack=fp32_reduce)
+    without = dataclasses.replace(cluster, stack=dataclasses.replace(fp32_reduce, fsdp2_copies=False))
+    copies = fsdp_copy_bytes(stage_params(model, zero[3], 0), zero[3], fp32_reduce, shape, mb, 4)
+    with_fwd, with_bwd, _ = _stage_work(model, cluster, shape, zero[3], 0)
+    plain_fwd, plain_bwd, _ = _stage_work(model, without, shape, zero[3], 0)
+    assert with_fwd.elementwise - plain_fwd.elementwise == pytest.approx(memory_s(copies[0], cluster.gpu))
+    assert with_bwd.elementwise - plain_bwd.elementwise == pytest.approx(memory_s(copies[1], cluster.gpu))

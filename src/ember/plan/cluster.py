@@ -129,6 +129,10 @@ class Stack:
     # and made again in backward, in the room freed activations leave, rather than kept in
     # a persistent buffer (Megatron-LM's and DeepSpeed's contiguous gradient buffers).
     frees_grads: bool = True
+    # Whether ZeRO runs as FSDP2 (ember, torchtitan), which copies every gathered weight out
+    # of its flat buffer and every gradient into one on the compute stream (plan/predict.py:
+    # fsdp_copy_bytes), where FSDP1 (Composer) gathers into its flat parameter in place.
+    fsdp2_copies: bool = True
     # Whether sequence parallelism keeps the all-gathered inputs of the column-parallel
     # projections for backward (DTensor: ember, torchtitan) or gathers again (Megatron-LM).
     sp_keeps_gathered: bool = True

@@ -34,6 +34,7 @@ from ember.cost import matmul_params, model_flops_per_token, recompute_flops_per
 from ember.layout import ZERO_BUBBLE, Layout
 from ember.plan import comm, overlap, uncertainty
 from ember.plan.cluster import Cluster
+from ember.plan.fsdp import fsdp_copy_bytes, fsdp_host_s
 from ember.plan.layout import TrainShape
 from ember.plan.memory import (
     GIB,
@@ -144,6 +145,10 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
                           / (lo.shard_ranks if lo.zero >= 2 and not defers_reduction(lo, stack) else 1),
                           gpu=cluster.gpu)
     bwd = bwd + Work(elementwise=accumulate)
+    copy_fwd, copy_bwd = fsdp_copy_bytes(stage_params(model, lo, stage), lo, stack, shape,
+                                         lo.micro_batches(shape.global_batch), gradient_bytes(stack, shape))
+    fwd = fwd + Work(elementwise=memory_s(copy_fwd, cluster.gpu))
+    bwd = bwd + Work(elementwise=memory_s(copy_bwd, cluster.gpu))
     # The per-micro-batch host work outside the kernels is not hidden (Stack.host_s_per_micro_batch).
     between = Work(launch=stack.host_s_per_micro_batch)
     fwd, fwd_cross = _as_run(fwd, fwd_kernels, stack, fwd_host)
@@ -159,22 +164,6 @@ def fp8_weight_cast_s(model, shape: TrainShape, lo: Layout, stage: int, gpu) -> 
         return 0.0
     weights = matmul_params(model)["layer"] / lo.tp
     return memory_s(lo.rank_layers(model)[stage] * weights * FP8_CAST_BYTES, gpu)
-
-
-def fsdp_host_s(lo: Layout, stack, micro_batches: int) -> float:
-    """Host seconds FSDP2 adds to one sharded unit's micro-batch (forward and backward),
-    from the stack's measured figures (tune/host_cost.py times a unit's whole pass with its
-    gathers and reduction). ZeRO-3 gathers again and reduces every micro-batch, ZeRO-2
-    reduces every micro-batch; ZeRO-1, and any ZeRO under a pipeline (`defers_reduction`),
-    gathers and reduces once a step, so its pass's cost is spread over the micro-batches."""
-    if lo.zero == 0:
-        return 0.0
-    deferred = defers_reduction(lo, stack)
-    if lo.zero >= 3 and not deferred:
-        return stack.reshard_host_s_per_layer
-    if lo.zero == 2 and not deferred:
-        return stack.shard_host_s_per_layer
-    return stack.shard_host_s_per_layer / micro_batches
 
 
 def tp_collectives(lo: Layout) -> int:

@@ -33,10 +33,13 @@ naming what that software does, not tuning ember's own constants to it:
 - `fsdp`: PyTorch FSDP (Composer/llm-foundry, torchtitan): flash attention, gradients
   reduced in fp32 (mixed-precision default), per-block gathers with prefetch; selective
   recomputation is torchtitan's op-level policy (Composer checkpoints whole blocks only).
+  FSDP2 as torchtitan runs it: every gathered weight copied out of its flat buffer and every
+  gradient into one on the compute stream (plan/predict.py: fsdp_copy_bytes).
 - `llm-foundry`: the same FSDP as MosaicML's llm-foundry runs it, whose default loss is
   flash-attn's Triton cross-entropy: the bf16 logits read once forward, their gradient
   written once backward (6 bytes a logit where an fp32 softmax moves 52; it matters where
-  the vocabulary is large beside the width: predicted, a sixth of an MPT-125m step). Same kernels
+  the vocabulary is large beside the width: predicted, a sixth of an MPT-125m step). Its
+  FSDP is FSDP1, which gathers into its flat parameter in place: no copies. Same kernels
   otherwise, so the same fitted figures as `fsdp`.
 - `fsdp-eager`: the same without torch.compile (torchtitan's default): RMSNorm, rotary
   embedding and SwiGLU run as eager PyTorch's composites of several kernels each, which
@@ -78,17 +81,17 @@ STACKS: dict[str, Stack] = {
     "megatron": Stack(name="megatron", attention="flash", grad_dtype="fp32", overlap_grad_reduce=False,
                       overlap_param_gather=False, host_s_per_kernel=2e-6, kernel_eff=0.975, attention_eff=0.95,
                       selective="attention", fused_loss=False, frees_grads=False,
-                      sp_keeps_gathered=False, per_block_grads=False),
+                      sp_keeps_gathered=False, per_block_grads=False, fsdp2_copies=False),
     "megatron-2021": Stack(name="megatron-2021", attention="unfused", grad_dtype="fp32", overlap_grad_reduce=False,
                            overlap_param_gather=False, host_s_per_kernel=100e-6, kernel_eff=0.9,
                            selective="attention", fused_loss=False, frees_grads=False,
-                           sp_keeps_gathered=False, per_block_grads=False),
+                           sp_keeps_gathered=False, per_block_grads=False, fsdp2_copies=False),
     "deepspeed": Stack(name="deepspeed", attention="unfused", grad_dtype="bf16", overlap_grad_reduce=False,
                        overlap_param_gather=False, zero3_collectives_per_layer=6, zero3_regathers_for_recompute=True,
                        gather_s_per_rank=GATHER_COPY_S, host_s_per_kernel=60e-6,
                        host_s_per_micro_batch=2e-3,
                        kernel_eff=1.025, selective="attention", fused_loss=False, frees_grads=False,
-                       sp_keeps_gathered=False, per_block_grads=False, p2p_slices=False,
+                       sp_keeps_gathered=False, per_block_grads=False, p2p_slices=False, fsdp2_copies=False,
                        pipeline_lockstep=True),
     "fsdp": Stack(name="fsdp", attention="flash", grad_dtype="fp32", host_s_per_kernel=100e-6, kernel_eff=0.85,
                   attention_eff=0.55, selective="half-matmul", fused_loss=False),
@@ -98,7 +101,8 @@ STACKS: dict[str, Stack] = {
 STACKS["megatron-deepspeed"] = replace(STACKS["deepspeed"], name="megatron-deepspeed", pipeline_lockstep=False,
                                        p2p_slices=True)
 STACKS["fsdp-eager"] = replace(STACKS["fsdp"], name="fsdp-eager", fused_elementwise=False)
-STACKS["llm-foundry"] = replace(STACKS["fsdp"], name="llm-foundry", loss_fwd_bytes=2, loss_bwd_bytes=4)
+STACKS["llm-foundry"] = replace(STACKS["fsdp"], name="llm-foundry", loss_fwd_bytes=2, loss_bwd_bytes=4,
+                                fsdp2_copies=False)  # Composer's FSDP1
 STACKS["nemo"] = replace(STACKS["megatron"], name="nemo", overlap_grad_reduce=True, overlap_param_gather=True,
                          overlap_tp_comm=True, grad_dtype="bf16")
 
