@@ -72,6 +72,15 @@ def test_under_torchrun_with_gloo_measures_collectives(tmp_path):
     # The planner prices a 2-rank ring on the measured bus bandwidth.
     cluster = make_cluster(None, 2, profile=out)
     assert comm.bus_bandwidth(comm.Group(2, 2), cluster.links) == pytest.approx(best * 1e9, rel=1e-3)
+    # ... and an all-gather or a reduce-scatter on its own measured rate (gloo runs them as
+    # other algorithms than its all-reduce); ZeRO's gathers and reductions are priced so.
+    for kind in ("all_gather", "reduce_scatter"):
+        own = max(row["busbw_gbps"] for row in intra[kind])
+        assert profile["links"][f"{kind}_ratio"] == pytest.approx(own / best, rel=1e-3)
+        assert comm.bus_bandwidth(comm.Group(2, 2), cluster.links, kind) == pytest.approx(own * 1e9, rel=2e-3)
+    assert comm.all_gather_s(2**24, comm.Group(2, 2), cluster.links) == pytest.approx(
+        comm.ring_latency_s(1, comm.Group(2, 2), cluster.links) + 2**23 / (cluster.links.intra_gbps * 1e9
+                                                                           * cluster.links.all_gather_ratio))
     # Eager tensor parallelism's host cost: the split block issues the four all-reduces the
     # planner prices, and what it costs beyond them reaches the profile's stack.
     block = profile["measured"]["host_blocks"]["tp"]

@@ -1,6 +1,14 @@
 """Communication volumes and the link each group crosses under the rank mapping."""
 
+import dataclasses
+
 import pytest
+
+from ember.layout import Layout
+from ember.plan.cluster import make_cluster
+from ember.plan.layout import TrainShape
+from ember.plan.models import PRESETS
+from ember.plan.predict import predict
 
 from ember.plan.comm import (Group, Links, all_gather_s, all_reduce_s, bus_bandwidth, groups, p2p_s, place,
                              reduce_scatter_s)
@@ -48,3 +56,31 @@ def test_ring_collectives_pay_a_latency_per_step():
     assert all_reduce_s(tiny, Group(64, 8), links) == pytest.approx(9e-6 + 126 * 7e-6, rel=1e-6)
     # So an 8-way all-gather of a small buffer costs several times a 2-way one.
     assert all_gather_s(1e3, Group(8, 8), links) > 3 * all_gather_s(1e3, Group(2, 2), links)
+
+
+def test_zero_prices_its_gathers_and_reductions_at_their_own_measured_rates():
+    """Each kind of collective moves its bytes at its own bus bandwidth (a calibration
+    measures gloo's all-gather and reduce-scatter several times slower than its all-reduce),
+    and a ZeRO step prices its gathers and reductions so, where a DDP step has neither."""
+    slow = Links(**{**LINKS.__dict__, "all_gather_ratio": 0.5, "reduce_scatter_ratio": 0.25})
+    group = Group(4, 4)
+    assert all_reduce_s(1e9, group, slow) == all_reduce_s(1e9, group, LINKS)
+    assert all_gather_s(1e9, group, slow) == pytest.approx(2 * all_gather_s(1e9, group, LINKS))
+    assert reduce_scatter_s(1e9, group, slow) == pytest.approx(4 * reduce_scatter_s(1e9, group, LINKS))
+    across = Group(16, 8)
+    assert bus_bandwidth(across, slow, "reduce_scatter") == pytest.approx(0.25 * bus_bandwidth(across, LINKS))
+
+    model, shape = PRESETS["gpt2-small"], TrainShape(1024, 16)
+    base = make_cluster("A100-80GB", 8)
+    base = dataclasses.replace(base, stack=dataclasses.replace(base.stack, overlap_grad_reduce=False,
+                                                               overlap_param_gather=False))
+
+    def step(lo, **ratios):
+        cluster = dataclasses.replace(base, links=dataclasses.replace(base.links, **ratios))
+        return predict(model, cluster, shape, lo).step_time_s
+
+    ddp, zero2 = Layout(dp_replicate=8, micro_batch=2), Layout(dp_shard=8, zero=2, micro_batch=2)
+    assert step(ddp, reduce_scatter_ratio=0.5, all_gather_ratio=0.5) == step(ddp)
+    for lo in (zero2, Layout(dp_shard=8, zero=3, micro_batch=2)):
+        assert step(lo, reduce_scatter_ratio=0.5) > step(lo)
+        assert step(lo, all_gather_ratio=0.5) > step(lo)

@@ -13,7 +13,9 @@ What it measures:
   reported as nccl-tests does (algbw = bytes / time; busbw = algbw x 2(n-1)/n for
   all-reduce, x (n-1)/n for all-gather and reduce-scatter, with bytes the whole buffer).
   The best all-reduce busbw sets the link the planner prices collectives on, the smallest
-  message's time its per-collective latency. With several nodes (WORLD_SIZE >
+  message's time its per-collective latency, and the best all-gather and reduce-scatter
+  busbw over it their `all_gather_ratio` and `reduce_scatter_ratio` (about 1 on NCCL, whose
+  rings run all three alike; far less on gloo). With several nodes (WORLD_SIZE >
   LOCAL_WORLD_SIZE) the collectives run once inside each node (intra) and once over all
   ranks (inter; the planner drives one NIC per GPU, so per-GPU inter = busbw / ranks per node).
 - under torchrun on one node: the host time an eager tensor-parallel block, and a block
@@ -255,6 +257,9 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
     intra, inter = collectives.get("intra"), collectives.get("inter")
     if intra:
         _set_link(links, "intra", _best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
+        for kind in ("all_gather", "reduce_scatter"):  # their rings' rate beside the all-reduce's
+            if intra.get(kind):
+                links[f"{kind}_ratio"] = round(_best_bus(intra[kind]) / _best_bus(intra["all_reduce"]), 4)
     if inter:
         per_gpu = _best_bus(inter["all_reduce"]) / local_world
         _set_link(links, "inter", per_gpu, inter["all_reduce"][0]["time_s"], known)

@@ -48,6 +48,12 @@ class Links:
     inter_latency_s: float = 20e-6  # the same across nodes, where InfiniBand adds its own
     intra_step_latency_s: float = 5.7e-6  # per step of a ring inside a node (NCCL: NVLink, Simple)
     inter_step_latency_s: float = 6.6e-6  # per step of a ring spanning nodes (NCCL: network, Simple)
+    # Bus bandwidth of an all-gather and of a reduce-scatter over that of an all-reduce on the
+    # same ring. NCCL runs all three as the same ring and nccl-tests report about equal bus
+    # bandwidths, so 1; gloo's all-gather and reduce-scatter are other algorithms, several
+    # times slower per byte on a CPU. A calibration measures both (plan/calibrate.py).
+    all_gather_ratio: float = 1.0
+    reduce_scatter_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,15 @@ def groups(tp: int, dp_shard: int, dp_replicate: int, pp: int, gpus_per_node: in
             "pp": place(pp, tp * cp * dp_shard * dp_replicate, g)}
 
 
-def bus_bandwidth(group: Group, links: Links) -> float:
-    """Bytes/s a ring collective over `group` sustains per GPU."""
+def bus_bandwidth(group: Group, links: Links, kind: str = "all_reduce") -> float:
+    """Bytes/s a ring collective of `kind` (all_reduce, all_gather, reduce_scatter) over
+    `group` sustains per GPU."""
+    ratio = {"all_reduce": 1.0, "all_gather": links.all_gather_ratio,
+             "reduce_scatter": links.reduce_scatter_ratio}[kind]
     intra = links.intra_gbps * 1e9 * links.intra_eff
     if not group.crosses_nodes:
-        return intra
-    return min(intra, group.per_node * links.inter_gbps * 1e9 * links.inter_eff)
+        return intra * ratio
+    return min(intra, group.per_node * links.inter_gbps * 1e9 * links.inter_eff) * ratio
 
 
 def ring_latency_s(steps: int, group: Group, links: Links) -> float:
@@ -107,15 +116,17 @@ def all_reduce_s(nbytes: float, group: Group, links: Links) -> float:
     return ring_latency_s(2 * (n - 1), group, links) + 2 * (n - 1) / n * nbytes / bus_bandwidth(group, links)
 
 
-def reduce_scatter_s(nbytes: float, group: Group, links: Links) -> float:
-    """Also the time of an all-gather of the same (full, unsharded) buffer size."""
+def reduce_scatter_s(nbytes: float, group: Group, links: Links, kind: str = "reduce_scatter") -> float:
+    """A reduce-scatter of a (full, unsharded) buffer of `nbytes`; with `kind` "all_gather",
+    the all-gather that ends with that buffer."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return ring_latency_s(n - 1, group, links) + (n - 1) / n * nbytes / bus_bandwidth(group, links)
+    return ring_latency_s(n - 1, group, links) + (n - 1) / n * nbytes / bus_bandwidth(group, links, kind)
 
 
-all_gather_s = reduce_scatter_s
+def all_gather_s(nbytes: float, group: Group, links: Links) -> float:
+    return reduce_scatter_s(nbytes, group, links, "all_gather")
 
 
 def p2p_s(nbytes: float, pp: Group, links: Links) -> float:

@@ -53,11 +53,13 @@ def hidden_cost(comm_s: float, compute_s: float, exposed_floor_s: float = 0.0, o
     return exposed + COMM_SLOWDOWN * max(0.0, overlapped)
 
 
-def sharded_s(nbytes: float, collectives: int, group: comm.Group, links: comm.Links) -> float:
-    """`collectives` all-gathers (or reduce-scatters) that together move `nbytes` (the full,
-    unsharded size) over `group`: each pays the ring's latency, the bytes pay bandwidth."""
+def sharded_s(nbytes: float, collectives: int, group: comm.Group, links: comm.Links,
+              kind: str = "all_gather") -> float:
+    """`collectives` all-gathers (or, `kind` "reduce_scatter", reduce-scatters) that together
+    move `nbytes` (the full, unsharded size) over `group`: each pays the ring's latency, the
+    bytes pay bandwidth."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     latency = comm.ring_latency_s(n - 1, group, links)
-    return max(1, collectives) * latency + (n - 1) / n * nbytes / comm.bus_bandwidth(group, links)
+    return max(1, collectives) * latency + (n - 1) / n * nbytes / comm.bus_bandwidth(group, links, kind)

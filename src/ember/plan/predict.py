@@ -266,7 +266,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
             units = layers * stack.zero3_collectives_per_layer + _edge_units(model, lo, i)
             gather = (overlap.sharded_s(params * weight_bytes, units, shard, links)
                       + units * shard.size * stack.gather_s_per_rank)
-            scatter = overlap.sharded_s(grads, units, shard, links)
+            scatter = overlap.sharded_s(grads, units, shard, links, "reduce_scatter")
             # A stack that gathers again for the recomputed forward does so in the backward pass.
             rerun = (gather * lo.recomputed_fraction(model.layers)
                      if lo.recompute == "full" and stack.zero3_regathers_for_recompute else 0.0)
@@ -274,7 +274,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
                       + overlap.hidden_cost(gather + rerun + scatter, bwd.compute, scatter / units,
                                             stack.overlap_param_gather and stack.overlap_grad_reduce))
         elif lo.zero == 2 and not deferred:  # gradients reduce-scattered as they appear, every micro-batch
-            scatter = overlap.sharded_s(grads, buckets, shard, links)
+            scatter = overlap.sharded_s(grads, buckets, shard, links, "reduce_scatter")
             per_mb = overlap.hidden_cost(scatter, bwd.compute, scatter / buckets, stack.overlap_grad_reduce)
         times[i] = fwd.total + bwd.total + p2p + per_mb
         halves[i] = (fwd.total + p2p / 2, bwd.total + p2p / 2 + per_mb)
@@ -287,7 +287,7 @@ def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Predictio
         if lo.zero == 0:  # over the replicas, and the cp ranks that hold the same weights
             reduce = comm.all_reduce_s(grads, rep, links) + comm.all_reduce_s(grads, shard, links)
         elif lo.zero == 1 or deferred:
-            reduce = (overlap.sharded_s(grads, buckets, shard, links)
+            reduce = (overlap.sharded_s(grads, buckets, shard, links, "reduce_scatter")
                       + comm.all_reduce_s(grads / lo.shard_ranks, rep, links))
         else:
             reduce = comm.all_reduce_s(grads / lo.shard_ranks, rep, links)
