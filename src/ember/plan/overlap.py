@@ -36,7 +36,7 @@ from __future__ import annotations
 from ember.plan import comm
 
 # Compute beside a collective runs this much slower (fitted:
-# benchmarks/results/2026-11-27-planner-fit.txt).
+# benchmarks/results/2026-11-29-planner-fit.txt).
 COMM_SLOWDOWN = 0.3
 
 

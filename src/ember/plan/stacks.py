@@ -71,7 +71,7 @@ GATHER_COPY_S = 5e-6
 
 # kernel_eff, attention_eff and host_s_per_kernel (and deepspeed's host_s_per_micro_batch)
 # of every stack but ember's: fitted
-# (benchmarks/results/2026-11-27-planner-fit.txt). Megatron-LM's selective recomputation
+# (benchmarks/results/2026-11-29-planner-fit.txt). Megatron-LM's selective recomputation
 # (and Megatron-DeepSpeed's) reruns the attention core; torchtitan's op-level policy reruns
 # every other matmul (torchtitan/distributed/activation_checkpoint.py: mm outputs are kept
 # on odd counts within a block, attention and reduce-scatter outputs always) and the
