@@ -12,7 +12,8 @@ block traces it away. This measures that extra, per block pass, as
     split block - plain block - collectives x (time of one small all-reduce),
 with the collectives counted as they reach the dispatcher (functional c10d ops); the
 measurement is ember.tune.host_cost's, which `ember plan calibrate` also runs. It is a CPU
-figure when run here: say so wherever it is quoted.
+figure when run here: say so wherever it is quoted. It also measures the parts around the
+blocks (embedding, output layer, loss over sharded logits) the same way.
 Writes benchmarks/results/<date>-tp-host-overhead.txt.
 """
 
@@ -28,6 +29,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def edges_host(iters: int, block_host_s: float) -> dict:
+    """The parts around the blocks, measured the same way: a one-block model (vocabulary-
+    parallel embedding, final norm, vocabulary-parallel output layer and the cross-entropy
+    over its sharded logits under loss_parallel), plain and split, less its collectives and
+    its block's own extra. These stay eager in a compiled run; the planner does not price
+    them (docs/planner.md says why)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ember.model.transformer import Transformer
+    from ember.parallel.tensor import apply_tensor_parallel, loss_parallel_context
+    from ember.tune.host_cost import CountCollectives, _block_config, _seconds
+
+    cpu, n = torch.device("cpu"), dist.get_world_size()
+    cfg = _block_config(n)
+    torch.manual_seed(0)  # the same model and batch on every rank
+    ids = torch.randint(cfg.vocab_size, (1, 16))
+    plain, split = Transformer(cfg), Transformer(cfg)
+    plain_s = _seconds(lambda: plain(ids, ids).backward(), cpu, iters)
+    apply_tensor_parallel(split, init_device_mesh("cpu", (n,)), sequence_parallel=False)
+
+    def step():
+        with loss_parallel_context(split):
+            split(ids, ids).backward()
+
+    split_s = _seconds(step, cpu, iters)
+    with CountCollectives() as counter:
+        step()
+    small = torch.zeros(16)
+    all_reduce_s = _seconds(lambda: dist.all_reduce(small), cpu, iters)
+    extra = split_s - plain_s - counter.count * all_reduce_s - cfg.layers * block_host_s
+    return {"vocab": cfg.vocab_size, "plain_s": plain_s, "split_s": split_s, "collectives": counter.count,
+            "extra_s": extra}
+
+
 def worker(iters: int) -> str | None:
     import torch
     import torch.distributed as dist
@@ -38,6 +75,7 @@ def worker(iters: int) -> str | None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     m = split_block_host(torch.device("cpu"), iters)
+    e = edges_host(iters, m["tp_host_s_per_layer"])
     rank = dist.get_rank()
     end_process_group()
     if rank != 0:
@@ -50,7 +88,13 @@ def worker(iters: int) -> str | None:
             f"  collectives in it      {m['collectives']:8d}   (c10d ops dispatched)\n"
             f"  one small all-reduce   {1e3 * m['all_reduce_s']:8.3f} ms\n"
             f"  host time the split adds beyond its collectives: "
-            f"{1e3 * m['tp_host_s_per_layer']:.3f} ms per block pass\n")
+            f"{1e3 * m['tp_host_s_per_layer']:.3f} ms per block pass\n"
+            f"a one-block model (vocabulary {e['vocab']}), forward + backward with its loss\n"
+            f"  plain model            {1e3 * e['plain_s']:8.3f} ms\n"
+            f"  split over tp={n} (eager, loss_parallel) {1e3 * e['split_s']:8.3f} ms, "
+            f"{e['collectives']} collectives\n"
+            f"  host time the embedding, output layer and loss add beyond their collectives "
+            f"(the block's extra taken off): {1e3 * e['extra_s']:.3f} ms per micro-batch\n")
 
 
 def main(argv: list[str] | None = None) -> int:
