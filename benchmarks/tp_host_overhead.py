@@ -41,25 +41,25 @@ def edges_host(iters: int, block_host_s: float) -> dict:
 
     from ember.model.transformer import Transformer
     from ember.parallel.tensor import apply_tensor_parallel, loss_parallel_context
-    from ember.tune.host_cost import CountCollectives, _block_config, _seconds
+    from ember.tune.host_cost import CountCollectives, block_config, seconds_per_call
 
     cpu, n = torch.device("cpu"), dist.get_world_size()
-    cfg = _block_config(n)
+    cfg = block_config(n)
     torch.manual_seed(0)  # the same model and batch on every rank
     ids = torch.randint(cfg.vocab_size, (1, 16))
     plain, split = Transformer(cfg), Transformer(cfg)
-    plain_s = _seconds(lambda: plain(ids, ids).backward(), cpu, iters)
+    plain_s = seconds_per_call(lambda: plain(ids, ids).backward(), cpu, iters)
     apply_tensor_parallel(split, init_device_mesh("cpu", (n,)), sequence_parallel=False)
 
     def step():
         with loss_parallel_context(split):
             split(ids, ids).backward()
 
-    split_s = _seconds(step, cpu, iters)
+    split_s = seconds_per_call(step, cpu, iters)
     with CountCollectives() as counter:
         step()
     small = torch.zeros(16)
-    all_reduce_s = _seconds(lambda: dist.all_reduce(small), cpu, iters)
+    all_reduce_s = seconds_per_call(lambda: dist.all_reduce(small), cpu, iters)
     extra = split_s - plain_s - counter.count * all_reduce_s - cfg.layers * block_host_s
     return {"vocab": cfg.vocab_size, "plain_s": plain_s, "split_s": split_s, "collectives": counter.count,
             "extra_s": extra}

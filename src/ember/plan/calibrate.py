@@ -135,7 +135,7 @@ def measure_copy(device: torch.device, nbytes: int, min_time: float) -> float:
     return 2.0 * nbytes / seconds / 1e9
 
 
-def _collective(kind: str, nbytes: int, n: int, device: torch.device, group):
+def collective_call(kind: str, nbytes: int, n: int, device: torch.device, group):
     """A no-argument call running one `kind` collective over a buffer of `nbytes` in total."""
     numel = max(n, nbytes // 4 // n * n)
     full = torch.ones(numel, dtype=torch.float32, device=device)
@@ -183,7 +183,7 @@ def measure_collectives(sizes, device: torch.device, min_time: float, group=None
         for kind in ("all_reduce", "all_gather", "reduce_scatter"):
             rows = []
             for nbytes in sizes:
-                seconds = _agreed_time(_collective(kind, nbytes, n, device, group), device, min_time, 1000, group)
+                seconds = _agreed_time(collective_call(kind, nbytes, n, device, group), device, min_time, 1000, group)
                 algbw = nbytes / seconds / 1e9
                 rows.append({"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw,
                              "busbw_gbps": algbw * BUS_FACTOR[kind](n)})
@@ -210,7 +210,7 @@ def measure_p2p(sizes, device: torch.device, peer: int, min_time: float) -> list
     return rows
 
 
-def _best_bus(rows: list[dict]) -> float:
+def best_bus(rows: list[dict]) -> float:
     return max(row["busbw_gbps"] for row in rows)
 
 
@@ -256,12 +256,12 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
     links = {"gpus_per_node": local_world, "intra_gbps": base.intra_gbps, "inter_gbps": base.inter_gbps}
     intra, inter = collectives.get("intra"), collectives.get("inter")
     if intra:
-        _set_link(links, "intra", _best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
+        _set_link(links, "intra", best_bus(intra["all_reduce"]), intra["all_reduce"][0]["time_s"], known)
         for kind in ("all_gather", "reduce_scatter"):  # their rings' rate beside the all-reduce's
             if intra.get(kind):
-                links[f"{kind}_ratio"] = round(_best_bus(intra[kind]) / _best_bus(intra["all_reduce"]), 4)
+                links[f"{kind}_ratio"] = round(best_bus(intra[kind]) / best_bus(intra["all_reduce"]), 4)
     if inter:
-        per_gpu = _best_bus(inter["all_reduce"]) / local_world
+        per_gpu = best_bus(inter["all_reduce"]) / local_world
         _set_link(links, "inter", per_gpu, inter["all_reduce"][0]["time_s"], known)
     if known is None:
         gpu["intra_gbps"], gpu["inter_gbps"] = links["intra_gbps"], links["inter_gbps"]
@@ -382,28 +382,3 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
     finally:
         if started:
             end_process_group()
-
-
-def summary_lines(profile: dict) -> list[str]:
-    """What a user reads after a calibration: the best matmul and each link's bus bandwidth."""
-    m = profile["measured"]
-    lines = [f"{profile['gpu']['name']}: best matmul {m['best_matmul_tflops'] * 1e3:,.1f} GFLOP/s ({m['dtype']}; "
-             + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['tflops'] * 1e3:,.1f}" for r in m["matmul"])
-             + f"), copy {m['copy_gbps']:,.1f} GB/s"]
-    if m.get("attention"):
-        a = m["attention"]
-        lines.append(f"causal attention (batch {a['batch']}, {a['heads']} heads, sequence {a['seq']}, head size "
-                     f"{a['head_dim']}) {a['tflops'] * 1e3:,.1f} GFLOP/s forward+backward: "
-                     f"attn_eff {profile['gpu']['attn_eff']:.3f}")
-    if profile.get("matmuls"):
-        mm = profile["matmuls"]
-        lines.append(f"{len(mm['times'])} matmul shapes of {mm['model']} (sequence {mm['seq_len']}, global batch "
-                     f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them"
-                     + ("" if mm["times"] else "; none is short enough to time here (under 20 ms by the matmul "
-                        "model), so its matmul model prices them all"))
-    for where in ("intra", "inter"):
-        if where in m:
-            parts = [f"{kind.replace('_', '-')} {_best_bus(rows):,.2f}" for kind, rows in m[where].items()]
-            lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
-                         + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
-    return lines

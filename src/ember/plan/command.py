@@ -313,7 +313,7 @@ def _model_plan(args) -> tuple | None:
 def run_calibrate(args) -> int:
     from pathlib import Path
 
-    from ember.plan.calibrate import calibrate, summary_lines
+    from ember.plan.calibrate import calibrate
 
     out = Path(args.out)
     if out.is_dir():
@@ -322,3 +322,35 @@ def run_calibrate(args) -> int:
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0
+
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """What a user reads after a calibration: the best matmul and each link's bus bandwidth."""
+    m = profile["measured"]
+    lines = [f"{profile['gpu']['name']}: best matmul {m['best_matmul_tflops'] * 1e3:,.1f} GFLOP/s ({m['dtype']}; "
+             + ", ".join(f"{r['m']}x{r['n']}x{r['k']} {r['tflops'] * 1e3:,.1f}" for r in m["matmul"])
+             + f"), copy {m['copy_gbps']:,.1f} GB/s"]
+    if m.get("attention"):
+        a = m["attention"]
+        lines.append(f"causal attention (batch {a['batch']}, {a['heads']} heads, sequence {a['seq']}, head size "
+                     f"{a['head_dim']}) {a['tflops'] * 1e3:,.1f} GFLOP/s forward+backward: "
+                     f"attn_eff {profile['gpu']['attn_eff']:.3f}")
+    if profile.get("matmuls"):
+        mm = profile["matmuls"]
+        lines.append(f"{len(mm['times'])} matmul shapes of {mm['model']} (sequence {mm['seq_len']}, global batch "
+                     f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them"
+                     + ("" if mm["times"] else "; none is short enough to time here (under 20 ms by the matmul "
+                        "model), so its matmul model prices them all"))
+    for where in ("intra", "inter"):
+        if where in m:
+            parts = [f"{kind.replace('_', '-')} {max(r['busbw_gbps'] for r in rows):,.2f}"
+                     for kind, rows in m[where].items()]
+            lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
+                         + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
+    host = {key: value for key, value in profile.get("stack", {}).items() if key.endswith("host_s_per_layer")}
+    if host:
+        lines.append("host time per block pass beyond its collectives: "
+                     + ", ".join(f"{key.removesuffix('_host_s_per_layer')} {value * 1e3:,.2f} ms"
+                                 for key, value in host.items()))
+    return lines

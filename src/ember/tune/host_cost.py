@@ -47,28 +47,29 @@ class CountCollectives(TorchDispatchMode):
 
 class RecordGathers(TorchDispatchMode):
     """Notes the all-gathers and reduce-scatters FSDP2 issues (c10d's ops, which reach the
-    dispatcher), with their output and input shapes and dtype, so they can be timed alone."""
+    dispatcher), each with the bytes of its full (unsharded) buffer, so they can be timed alone."""
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple[str, tuple, tuple, torch.dtype]] = []
+        self.calls: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
         if func.namespace == "c10d" and ("allgather" in name or "reduce_scatter" in name):
             kind = "all_gather" if "allgather" in name else "reduce_scatter"
-            self.calls.append((kind, tuple(args[0].shape), tuple(args[1].shape), args[1].dtype))
+            full = max(args[0], args[1], key=lambda t: t.numel())  # the output of a gather, the input of a scatter
+            self.calls.append((kind, full.numel() * full.element_size()))
         return func(*args, **(kwargs or {}))
 
 
-def _block_config(n: int):
+def block_config(n: int):
     from ember.config import ModelConfig
 
     return ModelConfig(objective="causal", vocab_size=128, hidden=64 * n, layers=1, heads=2 * n,
                        mlp_hidden=256 * n, max_seq_len=16)
 
 
-def _seconds(fn, device: torch.device, iters: int) -> float:
+def seconds_per_call(fn, device: torch.device, iters: int) -> float:
     """Seconds per call: the fastest of REPEATS bursts, all ranks in step. What a form adds
     is a difference of measurements, so a burst slowed by another process would land in it
     whole."""
@@ -101,7 +102,7 @@ def split_block_host(device: torch.device, iters: int) -> dict:
     from ember.parallel.tensor import apply_tensor_parallel
 
     n = dist.get_world_size()
-    cfg = _block_config(n)
+    cfg = block_config(n)
 
     class OneBlock(nn.Module):  # the layout apply_tensor_parallel expects: blocks by name
         def __init__(self):
@@ -114,13 +115,13 @@ def split_block_host(device: torch.device, iters: int) -> dict:
     torch.manual_seed(0)  # the same block and input on every rank, as tensor parallelism expects
     x = torch.randn(1, 16, cfg.hidden, device=device, requires_grad=True)
     plain, split = OneBlock().to(device), OneBlock().to(device)
-    plain_s = _seconds(lambda: plain(x).sum().backward(), device, iters)
+    plain_s = seconds_per_call(lambda: plain(x).sum().backward(), device, iters)
     apply_tensor_parallel(split, init_device_mesh(device.type, (n,)), sequence_parallel=False)
-    split_s = _seconds(lambda: split(x).sum().backward(), device, iters)
+    split_s = seconds_per_call(lambda: split(x).sum().backward(), device, iters)
     with CountCollectives() as counter:
         split(x).sum().backward()
     small = torch.zeros(16, device=device)
-    all_reduce_s = _seconds(lambda: dist.all_reduce(small), device, iters)
+    all_reduce_s = seconds_per_call(lambda: dist.all_reduce(small), device, iters)
     extra = split_s - plain_s - counter.count * all_reduce_s
     return {"hidden": cfg.hidden, "tp": n, "plain_s": plain_s, "split_s": split_s, "collectives": counter.count,
             "all_reduce_s": all_reduce_s, "tp_host_s_per_layer": max(0.0, extra)}
@@ -134,32 +135,26 @@ def sharded_block_host(device: torch.device, iters: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from ember.model.layers import Block
+    from ember.plan.calibrate import collective_call
 
     n = dist.get_world_size()
-    cfg = _block_config(n)
+    cfg = block_config(n)
     mesh = init_device_mesh(device.type, (n,))
     torch.manual_seed(0)
     x = torch.randn(1, 16, cfg.hidden, device=device, requires_grad=True)
     plain = Block(cfg).to(device)
-    plain_s = _seconds(lambda: plain(x).sum().backward(), device, iters)
+    plain_s = seconds_per_call(lambda: plain(x).sum().backward(), device, iters)
     out = {"hidden": cfg.hidden, "ranks": n, "plain_s": plain_s}
     for name, reshard in (("shard", False), ("reshard", True)):
         block = Block(cfg).to(device)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        sharded_s = _seconds(lambda: block(x).sum().backward(), device, iters)
+        sharded_s = seconds_per_call(lambda: block(x).sum().backward(), device, iters)
         with RecordGathers() as recorder:
             block(x).sum().backward()
-        collectives_s = sum(_collective_s(call, device, iters) for call in recorder.calls)
+        # Each timed alone at its size (fp32 like the block's: no mixed-precision policy here).
+        collectives_s = sum(seconds_per_call(collective_call(kind, nbytes, n, device, None), device, iters)
+                            for kind, nbytes in recorder.calls)
         out |= {f"{name}_s": sharded_s, f"{name}_collectives": [c[0] for c in recorder.calls],
                 f"{name}_collectives_s": collectives_s,
                 f"{name}_host_s_per_layer": max(0.0, sharded_s - plain_s - collectives_s)}
     return out
-
-
-def _collective_s(call: tuple, device: torch.device, iters: int) -> float:
-    """One recorded all-gather or reduce-scatter, timed alone at its sizes."""
-    kind, out_shape, in_shape, dtype = call
-    output = torch.zeros(out_shape, device=device, dtype=dtype)
-    source = torch.zeros(in_shape, device=device, dtype=dtype)
-    run = dist.all_gather_into_tensor if kind == "all_gather" else dist.reduce_scatter_tensor
-    return _seconds(lambda: run(output, source), device, iters)
