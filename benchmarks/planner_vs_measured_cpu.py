@@ -6,15 +6,15 @@ published rows cannot. Steps:
 
 1. Calibrate this machine: `torchrun --nproc-per-node=2 -m ember plan calibrate --model`
    (gloo), which measures matmul, attention and memory rates, the collectives' bandwidth
-   and latency, and the time of every matmul shape the planner prices for this model's
-   layouts on up to 4 processes (plan/kernels.py), and writes a profile.
+   and latency, and the time of every matmul and attention shape the planner prices for
+   this model's layouts on up to 4 processes (plan/kernels.py), and writes a profile.
 2. For each layout of a small model (configs/tiny-gpt.toml, 1-4 processes): `ember bench
    --profile PROFILE --json` under torchrun, which trains a few steps and prints the
    measured step time and peak memory beside the planner's prediction for that layout.
 3. Print predicted against measured step time and memory, the median step-time error,
    and whether the measured fastest layout is in the planner's top two; and the step time
-   the planner predicts from its matmul model alone (the profile's measured matmul shapes
-   left out), so the two can be compared on the same measurements.
+   the planner predicts from its kernel models alone (the profile's measured matmul and
+   attention shapes left out), so the two can be compared on the same measurements.
 
 Target (docs/planner.md): median step-time error at most 20%; measured fastest in the top two.
 Run it on a quiet machine: other work on the cores makes every timing wrong.
@@ -112,8 +112,9 @@ def shared_profile(profile: Path, nproc: int, cores: int) -> Path:
     for key in HOST_FIGURES:  # eager tensor parallelism's and FSDP2's, per layer
         if key in stack:
             stack[key] /= share
-    for row in data.get("matmuls", {}).get("times", []):
-        row[4] /= share
+    for section in ("matmuls", "attention"):
+        for row in data.get(section, {}).get("times", []):
+            row[-1] /= share
     data["source"] += f"; {nproc} processes on {cores} cores: rates x {share:g}, host times / {share:g}"
     out = profile.with_name(f"{profile.stem}-{nproc}procs.json")
     out.write_text(json.dumps(data, indent=1))
@@ -170,7 +171,8 @@ def report(rows: list[dict], summary: dict, args) -> str:
              f"command: python benchmarks/planner_vs_measured_cpu.py {' '.join(sys.argv[1:])}",
              f"model: {RECIPE.name} with {' '.join(MODEL)}; {args.steps} measured steps after 2 warm-up; "
              f"meas s = the fastest of {args.rounds} round(s), run round-robin (every round in 'rounds')",
-             "pred s: with the matmul shapes the calibration timed; model s: from the planner's matmul model alone",
+             "pred s: with the matmul and attention shapes the calibration timed; model s: from the planner's "
+             "kernel models alone",
              "", f"{'layout':<20}{'procs':>6}{'pred s':>9}{'meas s':>9}{'error':>8}{'model s':>9}{'error':>8}"
                  f"{'pred GiB':>10}{'meas GiB':>10}  rounds"]
     for r in rows:
@@ -180,7 +182,7 @@ def report(rows: list[dict], summary: dict, args) -> str:
                      f"{r['predicted_gib']:>10.3f}{r['measured_gib']:>10.3f}  "
                      + " ".join(f"{s:.3f}" for s in r["rounds_s"]))
     lines.append("")
-    for label, s in (("", summary), ("matmul model alone: ", summary["modelled"])):
+    for label, s in (("", summary), ("kernel models alone: ", summary["modelled"])):
         verdict = "in" if s["fastest_in_top2"] else "NOT in"
         lines += [(f"{label}median |step-time error| {100 * s['median_abs_error']:.1f}% "
                    f"(bias {100 * s['bias']:+.1f}%); target <= 20%"),
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{name}: ember bench printed no prediction (is the profile readable?)")
                 row = rows.setdefault(name, {"layout": name, "procs": LAYOUTS[name][0], "rounds_s": [],
                                              "predicted_step_s": predicted["step_s"],
-                                             "modelled_step_s": predicted.get("modelled_matmuls_step_s",
+                                             "modelled_step_s": predicted.get("modelled_kernels_step_s",
                                                                               predicted["step_s"]),
                                              "predicted_gib": predicted["memory_gib"], "measured_gib": 0.0})
                 row["rounds_s"].append(result["step_s"])

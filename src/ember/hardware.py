@@ -35,8 +35,9 @@ efficiencies; all are per GPU and one direction:
   (Hopper, Ada and Blackwell datasheets: H100 SXM 1,979 dense against 989). Large FP8 GEMMs
   reach about the same share of that peak as bf16 ones (cuBLASLt, 8192^3 on H100 SXM: about
   1,600 TFLOP/s, 0.81), so `matmul_eff` serves both;
-- `matmul_times`: measured seconds of exact matmul shapes on this device (`ember plan
-  calibrate --model`), which the planner takes instead of its model for those shapes.
+- `matmul_times`, `attention_times`: measured seconds of exact matmul and attention shapes
+  on this device (`ember plan calibrate --model`), which the planner takes instead of its
+  model for those shapes.
 """
 
 from __future__ import annotations
@@ -46,18 +47,19 @@ import re
 from dataclasses import dataclass
 
 
-class MatmulTimes:
-    """Measured seconds of matmuls by exact shape: (m, n, k, batch) -> seconds, for an
-    (m x k) @ (k x n) product repeated `batch` times. Hashable (the planner caches per GPU)
-    without hashing the whole table on every lookup."""
+class ShapeTimes:
+    """Measured seconds by exact shape, a few whole numbers each: matmuls as (m, n, k,
+    batch) for an (m x k) @ (k x n) product repeated `batch` times; attention as (batch,
+    heads, sequence, head size, causal). Hashable (the planner caches per GPU) without
+    hashing the whole table on every lookup."""
 
     def __init__(self, rows):
-        self._times = {(int(m), int(n), int(k), int(batch)): float(s) for m, n, k, batch, s in rows}
+        self._times = {tuple(int(v) for v in row[:-1]): float(row[-1]) for row in rows}
         self._key = tuple(sorted(self._times.items()))
         self._hash = hash(self._key)
 
-    def get(self, m: float, n: float, k: float, batch: int = 1) -> float | None:
-        return self._times.get((round(m), round(n), round(k), int(batch)))
+    def get(self, *shape: float) -> float | None:
+        return self._times.get(tuple(round(v) for v in shape))
 
     def rows(self) -> list[list]:
         return [[*shape, seconds] for shape, seconds in self._key]
@@ -69,10 +71,10 @@ class MatmulTimes:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, MatmulTimes) and self._key == other._key
+        return isinstance(other, ShapeTimes) and self._key == other._key
 
     def __repr__(self) -> str:
-        return f"MatmulTimes({len(self)} shapes)"
+        return f"ShapeTimes({len(self)} shapes)"
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class GPU:
     # NCCL workspaces on a GPU; on a CPU the idle process (interpreter, torch, process
     # group), which a calibration measures.
     runtime_gib: float = 1.0
-    matmul_times: MatmulTimes | None = None
+    matmul_times: ShapeTimes | None = None
+    attention_times: ShapeTimes | None = None
 
 
 _NV_A100 = dict(sms=108, intra_gbps=300.0, inter_gbps=25.0, matmul_eff=0.86, attn_eff=0.62)

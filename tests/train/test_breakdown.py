@@ -99,8 +99,8 @@ def test_bench_of_a_pipeline_sees_its_bubble(dataset, tmp_path):
     assert predicted["step_s"] > 0 and predicted["memory_gib"] > 0 and predicted["bubble_share"] > 0
     # On a CPU the measured peak is the resident set, runtime included: the whole prediction.
     assert predicted["memory_gib"] == predicted["memory_total_gib"]
-    # With measured matmuls in the profile, the matmul model's own figure comes too.
-    assert predicted["modelled_matmuls_step_s"] == predicted["step_s"]
+    # With measured kernel shapes in the profile, the model's own figure comes too.
+    assert predicted["modelled_kernels_step_s"] == predicted["step_s"]
     for rank in result["ranks"]:
         # GPipe on two stages: each stage waits for the other for part of every step.
         assert rank["bubble_s"] > 0 and rank["compute_s"] > 0

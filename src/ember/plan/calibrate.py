@@ -374,9 +374,9 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
             out.parent.mkdir(parents=True, exist_ok=True)
             write_text(out, json.dumps(profile, indent=2) + "\n")
         if model_plan is not None:
-            from ember.plan.kernels import add_model_matmuls
+            from ember.plan.kernels import add_model_kernels
 
-            add_model_matmuls(out, profile, model_plan, per_node, device, torch_dtype,
+            add_model_kernels(out, profile, model_plan, per_node, device, torch_dtype,
                               lambda fn: _slowest(_timed(fn, device, quick_min / 10), device))
         return profile
     finally:

@@ -19,8 +19,8 @@ from the GPU's typical node, the stack from the defaults below. The number of GP
 part of a profile: one profile describes every size of the same cluster. `ember plan
 calibrate` (plan/calibrate.py) adds a "measured" section with the raw measurements (matmul
 rates by shape, bus bandwidth by message size), which the planner does not read; with
-`--model` it adds "matmuls", the measured seconds of that model's matmul shapes
-(plan/kernels.py), which it does.
+`--model` it adds "matmuls" and "attention", the measured seconds of that model's matmul
+and attention shapes (plan/kernels.py), which it does.
 """
 
 from __future__ import annotations
@@ -34,12 +34,17 @@ from pathlib import Path
 from ember.atomic import write_text
 from ember.config import ConfigError
 from ember.fields import checked_table
-from ember.hardware import GPU, GPUS, MatmulTimes, gpu_by_name
+from ember.hardware import GPU, GPUS, ShapeTimes, gpu_by_name
 from ember.plan.comm import Links
 from ember.plan.timing import LOSS_BWD_BYTES, LOSS_FWD_BYTES
 
 PROFILE_FORMAT = "ember-plan-profile/1"
-PROFILE_SECTIONS = {"format", "source", "gpu", "links", "stack", "matmuls", "measured"}
+PROFILE_SECTIONS = {"format", "source", "gpu", "links", "stack", "matmuls", "attention", "measured"}
+# GPU fields read from profile sections of measured kernel times (`ember plan calibrate
+# --model`, plan/kernels.py): section, and the sizes of each row before its seconds.
+TIMED = {"matmul_times": ("matmuls", ("m", "n", "k", "batch")),
+         "attention_times": ("attention", ("batch", "heads", "seq", "head_dim", "causal"))}
+
 STACK_CHOICES = {"attention": ("flash", "unfused"), "grad_dtype": ("bf16", "fp32"),
                  "selective": ("elementwise", "attention", "half-matmul")}
 
@@ -220,13 +225,14 @@ class Cluster:
         return f"{self.n_gpus} x {self.gpu.name} ({self.gpus_per_node} per node; {link})"
 
     def profile(self) -> dict:
-        gpu = dataclasses.asdict(dataclasses.replace(self.gpu, matmul_times=None))
-        gpu.pop("pattern")
-        gpu.pop("matmul_times")
+        gpu = dataclasses.asdict(dataclasses.replace(self.gpu, matmul_times=None, attention_times=None))
+        for name in ("pattern", *TIMED):
+            gpu.pop(name)
         out = {"format": PROFILE_FORMAT, "source": self.source, "gpu": gpu,
                "links": dataclasses.asdict(self.links), "stack": dataclasses.asdict(self.stack)}
-        if self.gpu.matmul_times is not None:
-            out["matmuls"] = {"times": self.gpu.matmul_times.rows()}
+        for name, (section, _) in TIMED.items():
+            if getattr(self.gpu, name) is not None:
+                out[section] = {"times": getattr(self.gpu, name).rows()}
         return out
 
 
@@ -248,23 +254,23 @@ POSITIVE = {"gpu": ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_g
 
 
 def _fields(cls, values, path: Path, section: str) -> dict:
-    return checked_table(cls, values, f"profile file {path}: {section}", ConfigError, skip=("pattern", "matmul_times"),
+    return checked_table(cls, values, f"profile file {path}: {section}", ConfigError, skip=("pattern", *TIMED),
                          nonnegative=True, positive=POSITIVE[section])
 
 
-def _matmul_times(section, path: Path) -> MatmulTimes:
-    """The `matmuls` section (`ember plan calibrate --model`, plan/kernels.py): measured
-    seconds by exact shape, {"times": [[m, n, k, batch, seconds], ...]}."""
+def _shape_times(section, path: Path, name: str, sizes: tuple[str, ...]) -> ShapeTimes:
+    """A section of measured seconds by exact shape, {"times": [[*sizes, seconds], ...]}."""
     rows = section.get("times") if isinstance(section, dict) else None
     good = isinstance(rows, list) and all(
-        isinstance(r, list) and len(r) == 5 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                    for v in r)
-        and all(float(v).is_integer() and v >= 1 for v in r[:4]) and math.isfinite(r[4]) and r[4] > 0
+        isinstance(r, list) and len(r) == len(sizes) + 1
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+        and all(v in (0, 1) if size == "causal" else float(v).is_integer() and v >= 1 for v, size in zip(r, sizes))
+        and math.isfinite(r[-1]) and r[-1] > 0
         for r in rows)
     if not good:
-        raise ConfigError(f"profile file {path}: matmuls.times must be a list of [m, n, k, batch, seconds] "
-                          "with whole positive sizes and positive seconds.")
-    return MatmulTimes(rows)
+        raise ConfigError(f"profile file {path}: {name}.times must be a list of [{', '.join(sizes)}, seconds] "
+                          "with whole positive sizes (causal 0 or 1) and positive seconds.")
+    return ShapeTimes(rows)
 
 
 def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
@@ -299,8 +305,9 @@ def read_profile(path: str | Path) -> tuple[GPU, Links, Stack, str]:
                         **_fields(Links, data.get("links"), path, "links")}
         links = Links(**links_values)
         stack = Stack(**_fields(Stack, data.get("stack"), path, "stack"))
-        if data.get("matmuls") is not None:
-            gpu = dataclasses.replace(gpu, matmul_times=_matmul_times(data["matmuls"], path))
+        for name, (section, sizes) in TIMED.items():
+            if data.get(section) is not None:
+                gpu = dataclasses.replace(gpu, **{name: _shape_times(data[section], path, section, sizes)})
     except TypeError as err:
         raise ConfigError(f"profile file {path} has a malformed value ({err}).") from None
     _check_profile(gpu, links, stack, path)

@@ -342,6 +342,9 @@ def summary_lines(profile: dict) -> list[str]:
                      f"{mm['global_batch']}, {mm['gpus']} GPUs) timed: `ember plan` takes these times for them"
                      + ("" if mm["times"] else "; none is short enough to time here (under 20 ms by the matmul "
                         "model), so its matmul model prices them all"))
+    if profile.get("attention"):
+        lines.append(f"{len(profile['attention']['times'])} attention shapes of the same timed: `ember plan` takes "
+                     "these times for them")
     for where in ("intra", "inter"):
         if where in m:
             parts = [f"{kind.replace('_', '-')} {max(r['busbw_gbps'] for r in rows):,.2f}"

@@ -1,19 +1,25 @@
-"""The matmuls of one model's layouts, timed on this device (`ember plan calibrate --model`).
+"""The matmuls and attention of one model's layouts, timed on this device (`ember plan
+calibrate --model`).
 
 The planner prices a matmul from its shape (plan/timing.py: tiles, waves, the K loop), a
-model that is smooth in the shape and fitted to a few large GEMMs per GPU. GEMM libraries
-choose a kernel per shape, and how far a given shape lands from the smooth curve on a given
-GPU and library version is not something a formula can know. Timing the exact shapes a
-model's layouts run takes that part of the error out for that model on that machine; the
-rest of the step (attention, elementwise work, communication, the host) is still modelled.
+model that is smooth in the shape and fitted to a few large GEMMs per GPU, and a fused
+attention from its FLOPs at an efficiency that grows with the sequence and the head size,
+set by one measured shape. Libraries choose a kernel per shape, and how far a given shape
+lands from the smooth curve on a given device and library version is not something a
+formula can know (on a CPU, attention over short sequences runs at twice the rate the
+curve gives it). Timing the exact shapes a model's layouts run takes that part of the error
+out for that model on that machine; the rest of the step (elementwise work, communication,
+the host) is still modelled.
 
-So a calibration given a model asks the planner which matmuls it prices for that model's
-layouts that fit (every (m, n, k, batch) it looks up, the backward's too), times each one
-here, and stores the seconds in the profile (`matmuls`); the planner then takes the
-measured time for those exact shapes (hardware.MatmulTimes) and its model for the rest.
-The times are of the calibration's dtype (bf16 on GPUs that have it); FP8 matmuls are
-always modelled. Each is timed as a plain (m x k) @ (k x n) product, while a backward pass
-multiplies transposed operands, which libraries run as other kernels at similar rates.
+So a calibration given a model asks the planner which matmuls and attention it prices for
+that model's layouts that fit (every (m, n, k, batch) and every (batch, heads, sequence,
+head size, causal) it looks up, the backward's too), times each one here, and stores the
+seconds in the profile (`matmuls`, `attention`); the planner then takes the measured time
+for those exact shapes (hardware.ShapeTimes) and its model for the rest. The times are of
+the calibration's dtype (bf16 on GPUs that have it); FP8 matmuls are always modelled. Each
+matmul is timed as a plain (m x k) @ (k x n) product, while a backward pass multiplies
+transposed operands, which libraries run as other kernels at similar rates; each attention
+as PyTorch's SDPA forward and backward, split between the passes as the model splits it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ import torch.distributed as dist
 
 from ember.atomic import write_text
 from ember.config import ConfigError
-from ember.hardware import MatmulTimes
+from ember.hardware import ShapeTimes
 from ember.plan.layout import TrainShape
 from ember.plan.search import rank, runnable, search
-from ember.plan.timing import matmul_s
+from ember.plan.timing import flash_s, matmul_s
 
 
 # Matmuls the model prices above this are left to it: with many waves of tiles and a long K
@@ -41,28 +47,36 @@ from ember.plan.timing import matmul_s
 MAX_TIMED_S = 0.02
 
 
-def priced_matmuls(model, cluster, shape: TrainShape) -> list[tuple[int, int, int, int]]:
-    """Every (m, n, k, batch) the planner prices for the layouts of `model` on `cluster`
-    that fit (or, if none fits, for all of them) and models at MAX_TIMED_S or less, in a
-    stable order."""
+def priced_shapes(model, cluster, shape: TrainShape) -> tuple[list[tuple], list[tuple]]:
+    """Every matmul (m, n, k, batch) and every fused attention (batch, heads, sequence, head
+    size, causal) the planner prices for the layouts of `model` on `cluster` that fit (or,
+    if none fits, for all of them) and models at MAX_TIMED_S or less, each in a stable
+    order."""
     result = search(model, cluster, shape)
     layouts = [p.layout for p in (result.ranked or result.too_big)]
     recorder = _Recorder()
-    rank(model, replace(cluster, gpu=replace(cluster.gpu, matmul_times=recorder)), shape, layouts)
-    return sorted(s for s in recorder.shapes if min(s) >= 1 and matmul_s(*s[:3], cluster.gpu, s[3]) <= MAX_TIMED_S)
+    gpu = replace(cluster.gpu, matmul_times=recorder, attention_times=recorder)
+    rank(model, replace(cluster, gpu=gpu), shape, layouts)
+    plain = replace(cluster.gpu, matmul_times=None, attention_times=None)
+    matmuls = sorted(s for s in recorder.shapes if len(s) == 4 and min(s) >= 1
+                     and matmul_s(*s[:3], plain, s[3]) <= MAX_TIMED_S)
+    attention = sorted(s for s in recorder.shapes if len(s) == 5 and min(s[:4]) >= 1
+                       and flash_s(*s, plain) <= MAX_TIMED_S)
+    return matmuls, attention
 
 
-class _Recorder(MatmulTimes):
+class _Recorder(ShapeTimes):
     """A table with no times that notes every shape the planner looks up in it (every bf16
-    matmul it prices: FP8 ones never look). Equal only to itself, so the planner's
-    per-layer caches price afresh for it rather than answer from an earlier GPU's entries."""
+    matmul and every fused attention it prices: FP8 matmuls never look). Equal only to
+    itself, so the planner's per-layer caches price afresh for it rather than answer from
+    an earlier GPU's entries."""
 
     def __init__(self):
         super().__init__([])
-        self.shapes: set[tuple[int, int, int, int]] = set()
+        self.shapes: set[tuple[int, ...]] = set()
 
-    def get(self, m: float, n: float, k: float, batch: int = 1) -> None:
-        self.shapes.add((round(m), round(n), round(k), int(batch)))
+    def get(self, *shape: float) -> None:
+        self.shapes.add(tuple(round(v) for v in shape))
         return None
 
     __hash__ = object.__hash__
@@ -88,6 +102,29 @@ def time_matmuls(shapes, device: torch.device, dtype: torch.dtype, timer) -> lis
     return rows
 
 
+def time_attention(shapes, device: torch.device, dtype: torch.dtype, timer) -> list[list]:
+    """[batch, heads, sequence, head size, causal, seconds] of each shape: PyTorch's scaled
+    dot-product attention (what ember's model runs), forward and backward. As for matmuls, a
+    shape that does not fit is left to the model."""
+    rows = []
+    for b, heads, s, d, causal in shapes:
+        try:
+            q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+
+            def step():
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+                torch.autograd.grad(out, (q, k, v), grad)
+
+            rows.append([b, heads, s, d, causal, timer(step)])
+        except torch.OutOfMemoryError:
+            continue
+        finally:
+            q = k = v = grad = None
+    return rows
+
+
 def check_model_plan(model_plan: tuple, per_node: int) -> None:
     """What `add_model_matmuls` would refuse after the measurements, refused before them:
     GPUs that do not fill whole nodes, or a model and batch with no layout on them."""
@@ -102,7 +139,7 @@ def check_model_plan(model_plan: tuple, per_node: int) -> None:
     runnable(model, sizes_only, shape)
 
 
-def add_model_matmuls(out: Path, profile: dict | None, model_plan: tuple, per_node: int, device: torch.device,
+def add_model_kernels(out: Path, profile: dict | None, model_plan: tuple, per_node: int, device: torch.device,
                       dtype: torch.dtype, timer) -> None:
     """The calibration's last step: every rank times the shapes at once (`timer` keeps the
     slowest rank's time); rank 0 (`profile` given) adds them to the profile it wrote to
@@ -113,9 +150,12 @@ def add_model_matmuls(out: Path, profile: dict | None, model_plan: tuple, per_no
         dist.barrier()  # rank 0 has written the profile the shapes are found with
     model, gpus, shape = model_plan
     cluster = make_cluster(None, gpus or per_node, profile=out)
-    rows = time_matmuls(priced_matmuls(model, cluster, shape), device, dtype, timer)
+    matmuls, attention = priced_shapes(model, cluster, shape)
+    rows = time_matmuls(matmuls, device, dtype, timer)
+    attention_rows = time_attention(attention, device, dtype, timer)
     if profile is not None:
-        profile["matmuls"] = {"model": model.name, "gpus": cluster.n_gpus, "seq_len": shape.seq_len,
-                              "global_batch": shape.global_batch, "dtype": profile["measured"]["dtype"],
-                              "times": rows}
+        about = {"model": model.name, "gpus": cluster.n_gpus, "seq_len": shape.seq_len,
+                 "global_batch": shape.global_batch, "dtype": profile["measured"]["dtype"]}
+        profile["matmuls"] = {**about, "times": rows}
+        profile["attention"] = {**about, "times": attention_rows}
         write_text(out, json.dumps(profile, indent=2) + "\n")

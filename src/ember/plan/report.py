@@ -68,7 +68,13 @@ def header(model, cluster: Cluster, shape: TrainShape) -> str:
             + f"\n{cluster.describe()}\nsequence {shape.seq_len}, global batch {shape.global_batch} sequences "
             f"({shape.tokens:,} tokens), {shape.precision}; {cluster.stack.attention} attention, "
             f"{cluster.stack.grad_dtype} gradients; profile: {cluster.source}"
-            + (f" ({len(cluster.gpu.matmul_times)} matmul shapes measured)" if cluster.gpu.matmul_times else ""))
+            + _measured(cluster.gpu))
+
+
+def _measured(gpu) -> str:
+    counts = [f"{len(table)} {kind} shapes" for kind, table in (("matmul", gpu.matmul_times),
+                                                                  ("attention", gpu.attention_times)) if table]
+    return f" ({' and '.join(counts)} measured)" if counts else ""
 
 
 def table(predictions: list[Prediction]) -> Table:

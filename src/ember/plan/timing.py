@@ -183,12 +183,23 @@ def fused_softmax(model, b: int, s: int, t: int) -> bool:
     return (batches if model.causal else s) % per_block == 0
 
 
+def flash_s(b: int, heads: int, s: int, d: int, causal: bool, gpu) -> float:
+    """Seconds of one fused attention's forward and backward over `b` sequences of `s`
+    tokens, `heads` heads of size `d`: measured for this shape if the profile has it
+    (`ember plan calibrate --model`), else the FLOPs at the shape's flash efficiency."""
+    if gpu.attention_times is not None:
+        measured = gpu.attention_times.get(b, heads, s, d, int(causal))
+        if measured is not None:
+            return measured
+    flops = 4.0 * b * heads * s * s * d * (0.5 if causal else 1.0)
+    return (1 + FLASH_BACKWARD) * flops / (gpu.peak_bf16_flops * flash_efficiency(s, d, gpu))
+
+
 def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: int = 1) -> tuple[Work, Work]:
     """Forward and backward of softmax(Q·Kᵀ)·V for one micro-batch on one GPU."""
     heads, d = model.heads // t, model.head_dim
     if attention == "flash":
-        flops = 4.0 * b * heads * s * s * d * (0.5 if model.causal else 1.0)
-        fwd = flops / (gpu.peak_bf16_flops * flash_efficiency(s, d, gpu))
+        fwd = flash_s(b, heads, s, d, model.causal, gpu) / (1 + FLASH_BACKWARD)
         return Work(attention=fwd), Work(attention=FLASH_BACKWARD * fwd)
     n = b * heads
     scores = matmul_s(s, s, d, gpu, n)  # Q·Kᵀ; P·V has the same FLOPs with K = s

@@ -93,9 +93,11 @@ def predicted(cfg, manifest: dict, world: int, device, profile: str | None) -> d
     out = {"source": profile or gpu, "step_s": p.step_time_s, "tokens_per_s": p.tokens_per_s_per_gpu * world,
            "memory_gib": p.memory.measured_as(device.type) / GIB, "memory_total_gib": p.memory.total / GIB,
            "exposed_comm_share": comm, "bubble_share": p.shares["bubble"]}
-    if cluster.gpu.matmul_times is not None:  # the profile's measured matmuls: also the model's own figure
-        modelled = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, matmul_times=None))
-        out["modelled_matmuls_step_s"] = predict(model, modelled, shape, Layout.from_config(cfg, world)).step_time_s
+    if cluster.gpu.matmul_times is not None or cluster.gpu.attention_times is not None:
+        # the profile's measured kernel shapes: also the model's own figure, without them
+        plain = dataclasses.replace(cluster.gpu, matmul_times=None, attention_times=None)
+        modelled = dataclasses.replace(cluster, gpu=plain)
+        out["modelled_kernels_step_s"] = predict(model, modelled, shape, Layout.from_config(cfg, world)).step_time_s
     return out
 
 
