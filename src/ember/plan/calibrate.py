@@ -114,15 +114,10 @@ def measure_attention(device: torch.device, dtype: torch.dtype, shape, min_time:
     """Causal scaled-dot-product attention (PyTorch SDPA, what ember's model runs), forward
     and backward, in TFLOP/s counted the planner's way: 4·b·h·s²·d/2 forward, 2.5x that
     backward."""
+    from ember.plan.kernels import attention_step
+
     b, h, s, d = shape
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
-
-    def step():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    seconds = _slowest(_timed(step, device, min_time), device)
+    seconds = _slowest(_timed(attention_step(b, h, s, d, True, device, dtype), device, min_time), device)
     flops = 3.5 * 4.0 * b * h * s * s * d * 0.5
     return {"batch": b, "heads": h, "seq": s, "head_dim": d, "tflops": flops / seconds / 1e12}
 

@@ -107,22 +107,25 @@ def time_attention(shapes, device: torch.device, dtype: torch.dtype, timer) -> l
     dot-product attention (what ember's model runs), forward and backward. As for matmuls, a
     shape that does not fit is left to the model."""
     rows = []
-    for b, heads, s, d, causal in shapes:
+    for shape in shapes:
         try:
-            q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
-
-            def step():
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
-                torch.autograd.grad(out, (q, k, v), grad)
-
-            rows.append([b, heads, s, d, causal, timer(step)])
+            rows.append([*shape, timer(attention_step(*shape, device, dtype))])
         except torch.OutOfMemoryError:
             continue
-        finally:
-            q = k = v = grad = None
     return rows
+
+
+def attention_step(b: int, heads: int, s: int, d: int, causal: bool, device: torch.device, dtype: torch.dtype):
+    """One call of PyTorch's scaled dot-product attention, forward and backward, on random
+    (b, heads, s, d) inputs made once."""
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+
+    def step():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return step
 
 
 def check_model_plan(model_plan: tuple, per_node: int) -> None:
