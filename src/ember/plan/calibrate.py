@@ -32,7 +32,6 @@ import json
 import os
 import socket
 import time
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -138,8 +137,14 @@ def collective_call(kind: str, nbytes: int, n: int, device: torch.device, group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part, group=group)
-    return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+        return lambda: _all_gather(full, part, group=group)
+    return lambda: _reduce_scatter(part, full, group=group)
+
+
+# Newer PyTorch (2.13 here) names these all_gather_single and reduce_scatter_single and warns on
+# the old names; older versions have only the old.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -173,16 +178,14 @@ def measure_collectives(sizes, device: torch.device, min_time: float, group=None
     """busbw by message size for all-reduce, all-gather and reduce-scatter over `group`."""
     n = dist.get_world_size(group)
     out: dict[str, list[dict]] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # reduce_scatter_tensor's rename in newer PyTorch
-        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-            rows = []
-            for nbytes in sizes:
-                seconds = _agreed_time(collective_call(kind, nbytes, n, device, group), device, min_time, 1000, group)
-                algbw = nbytes / seconds / 1e9
-                rows.append({"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw,
-                             "busbw_gbps": algbw * BUS_FACTOR[kind](n)})
-            out[kind] = rows
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        rows = []
+        for nbytes in sizes:
+            seconds = _agreed_time(collective_call(kind, nbytes, n, device, group), device, min_time, 1000, group)
+            algbw = nbytes / seconds / 1e9
+            rows.append({"bytes": nbytes, "time_s": seconds, "algbw_gbps": algbw,
+                         "busbw_gbps": algbw * BUS_FACTOR[kind](n)})
+        out[kind] = rows
     return out
 
 
