@@ -70,6 +70,24 @@ def test_search_text_and_json(capsys):
     assert "--set model.kv_heads=8 " in result["best"]["command"]
 
 
+@pytest.mark.parametrize("verb", [["--gpu", "L4", "--save-profile"], ["calibrate", "--quick", "--out"]])
+@pytest.mark.parametrize("name, content", [("model.safetensors", b"\x08\x00weights"),
+                                           ("manifest.json", b'{"format": "ember-shards/1"}')])
+def test_a_profile_never_replaces_a_file_that_is_not_one(tmp_path, capsys, monkeypatch, verb, name, content):
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    precious = tmp_path / name
+    precious.write_bytes(content)
+    assert main(["plan", *verb, str(precious)]) == 2
+    err = capsys.readouterr().err
+    assert f"{precious} exists and is not an ember-plan-profile/1 file" in err and "Traceback" not in err
+    assert precious.read_bytes() == content
+    profile = tmp_path / "mine.json"  # a profile is replaced by a profile
+    profile.write_text('{"format": "ember-plan-profile/1", "gpu": {"name": "H100"}}')
+    assert main(["plan", "--gpu", "L4", "--save-profile", str(profile)]) == 0
+    assert json.loads(profile.read_text())["gpu"]["name"] == "L4"
+
+
 def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     profile = tmp_path / "l4.json"
     assert main(["plan", "--gpu", "L4", "--gpus-per-node", "4", "--save-profile", str(profile)]) == 0

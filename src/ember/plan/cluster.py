@@ -363,6 +363,23 @@ def make_cluster(gpu: str | None, n_gpus: int, gpus_per_node: int | None = None,
     return Cluster(base_gpu, n_gpus, links, stack or base_stack, source)
 
 
+def check_profile_out(path: str | Path, flag: str) -> None:
+    """Refuse, before anything is measured or priced, a file to write a profile to that is a
+    folder or already holds something other than a profile: a profile replaces only a profile,
+    never a run's weights or a data folder's manifest."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file name such as profile.json.")
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        old = None
+    if not isinstance(old, dict) or old.get("format") != PROFILE_FORMAT:
+        raise ConfigError(f"{flag} {path} exists and is not an {PROFILE_FORMAT} file; choose another file name.")
+
+
 def write_profile(cluster: Cluster, path: str | Path, source: str | Path | None = None) -> None:
     """The cluster as a profile file; the raw measurements of the profile it came from
     (`source`) are carried over, as `ember plan calibrate` wrote them."""

@@ -106,11 +106,13 @@ def _check_overrides(overrides: list[str]) -> None:
 
 
 def _setup(args):
-    from ember.plan.cluster import make_cluster, write_profile
+    from ember.plan.cluster import check_profile_out, make_cluster, write_profile
     from ember.plan.layout import PRECISIONS, TrainShape
     from ember.plan.models import resolve_model
     from ember.plan.predict import check_precision
 
+    if args.save_profile:
+        check_profile_out(args.save_profile, "--save-profile")
     if args.gpus is None:
         if args.save_profile and args.model is None:
             args.gpus = 8
@@ -314,10 +316,10 @@ def run_calibrate(args) -> int:
     from pathlib import Path
 
     from ember.plan.calibrate import calibrate
+    from ember.plan.cluster import check_profile_out
 
     out = Path(args.out)
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; give a file name such as profile.json.")
+    check_profile_out(out, "--out")
     profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_host_blocks", None), _model_plan(args))
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
