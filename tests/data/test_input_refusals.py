@@ -104,3 +104,15 @@ def test_vocabulary_flags_with_a_tokenizer_file_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--vocab-size only applies to a tokenizer ember trains" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [[], ["--vocab-size", "512"], ["--tokenizer-documents", "10"]])
+def test_a_misspelled_tokenizer_is_named_whatever_flags_come_with_it(tmp_path, capsys, flags):
+    from ember.cli import main
+
+    (tmp_path / "in.jsonl").write_text('{"text": "a few words"}\n')
+    code = main(["data", "prepare", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out"),
+                 "--tokenizer", "bep", "--seq-len", "64", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tokenizer bep names neither a kind to train (wordpiece, bpe)" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()

@@ -60,7 +60,9 @@ def prepare_arguments(args) -> dict:
     from ember.data.tokenizer import KINDS
 
     given = [f"--{k.replace('_', '-')}" for k in ("vocab_size", "tokenizer_documents") if getattr(args, k)]
-    if kwargs["tokenizer"] not in KINDS and given:  # they size and sample a tokenizer to train, not a file's
+    # They size and sample a tokenizer to train, not a file's. A name that is neither (a misspelled
+    # kind) is left to prepare's own refusal, which says so instead of blaming these flags.
+    if kwargs["tokenizer"] not in KINDS and Path(kwargs["tokenizer"]).exists() and given:
         verb = "apply" if len(given) > 1 else "applies"
         raise DataError(f"{' and '.join(given)} only {verb} to a tokenizer ember trains; "
                         f"{kwargs['tokenizer']} brings its own vocabulary, so leave them out.")
