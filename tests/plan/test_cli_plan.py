@@ -117,6 +117,7 @@ def test_recipe_model_and_profile_round_trip(tmp_path, capsys):
     (["--precision", "fp64"], "--precision must be one of"),
     (["--precision", "fp8", "--stack", "megatron"], "has no FP8 tensor cores"),  # the A100
     (["--precision", "fp8", "--gpu", "H100"], "ember's trainer trains in bf16"),
+    (["--precision", "bf16", "--gpu", "V100"], "V100 SXM2 32GB has no bf16 tensor cores"),
     (["--grad-dtype", "fp8"], "--grad-dtype must be one of"),
     (["--profile", "/nonexistent/profile.json"], "does not exist"),
     (["--profile", "/"], "cannot be read"),
@@ -218,6 +219,16 @@ def test_a_huge_gpu_count_is_answered(capsys):
     assert main(["plan", "--model", "gpt2-small", "--gpu", "A100-80GB", "--gpus", "800000000",
                  "--global-batch", "64"]) == 2
     assert "divides evenly" in capsys.readouterr().err
+
+
+def test_a_gpu_without_bf16_is_planned_in_fp16_as_the_trainer_runs_there(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpu", "V100", "--gpus", "8", "--seq-len", "2048",
+            "--global-batch", "64", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["precision"] == "fp16" and "train.precision=fp16" in out["best"]["command"]
+    assert main(args[:-1]) == 0
+    assert "fp16; flash attention" in capsys.readouterr().out  # the header names what is priced
 
 
 def test_a_calibrated_cpu_is_planned_in_the_precision_the_trainer_uses_there(tmp_path, capsys):

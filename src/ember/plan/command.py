@@ -149,7 +149,8 @@ def _setup(args):
         cluster = replace(cluster, stack=run_stack(cluster.stack, config, device_type))
     if args.precision is None:  # what `ember train` would compute in there
         asked = config.train.precision if config is not None else "auto"
-        args.precision = asked if asked != "auto" else "fp32" if device_type == "cpu" else "bf16"
+        auto = "fp32" if device_type == "cpu" else "bf16" if cluster.gpu.bf16 else "fp16"
+        args.precision = asked if asked != "auto" else auto
     args.precision = args.precision.lower()
     if args.precision not in PRECISIONS:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {args.precision!r}.")
@@ -159,6 +160,9 @@ def _setup(args):
     if args.precision == "fp32" and cluster.stack.name != "ember":
         raise ConfigError(f"--stack {cluster.stack.name} trains in mixed precision; --precision fp32 prices "
                           "ember's trainer without autocast.")
+    if args.precision == "bf16" and device_type == "cuda" and not cluster.gpu.bf16:  # as `ember train` refuses it
+        raise ConfigError(f"{cluster.gpu.name} has no bf16 tensor cores (Ampere and later have); "
+                          "use --precision fp16, which ember trains in there.")
     check_precision(cluster.gpu, args.precision)  # before any search
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:
