@@ -255,3 +255,55 @@ def test_a_steps_time_includes_the_device_catching_up_at_a_logged_step(dataset, 
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"lr"' in x]
     assert all(r["lr"] > 0 for r in steps)
     assert summary["elapsed_s"] < 1.0 + 0.11  # at most about half a 0.2 s step past the budget
+
+
+class _StopAfter:
+    """A SIGTERM that arrives at `step`, as the loop sees it (save, then stop)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, result) -> str:
+        from ember.train.policies import CONTINUE, STOP
+
+        return STOP if result.progress.step >= self.step else CONTINUE
+
+
+def _interrupted_run(dataset, run, budget: str, step: int):
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY)
+    trainer = Trainer(cfg, dataset, run, budget=budget, progress=False)
+    trainer.policies.append(_StopAfter(step))
+    assert trainer.run()["status"] == "interrupted"
+    trainer.close()
+
+
+@pytest.mark.parametrize("budget, said", [("3steps", "at step 4,"), ("1000tok", "at step 4 (2,048 tokens)"),
+                                          ("0.001s", "at step 4 (")])
+def test_resume_with_a_budget_the_run_has_already_spent_changes_nothing(dataset, tmp_path, capsys, budget, said):
+    """An interrupted run is not a finished one: a smaller --budget must not turn it into
+    one (a model file of unannealed weights, a summary saying "finished")."""
+    from ember.cli import main
+
+    run = tmp_path / "run"
+    _interrupted_run(dataset, run, "1000steps", 4)
+    capsys.readouterr()
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    argv = ["train", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--out", str(run), "--quiet",
+            *[x for s in TINY for x in ("--set", s)], "--resume", "--budget"]
+    assert main([*argv, budget]) == 2
+    err = capsys.readouterr().err
+    assert f"already {said}" in err and f"budget of {budget}" in err and err.count("\n") == 1, err
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == before
+    assert main([*argv, "6steps"]) == 0  # a larger budget goes on from step 4
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+def test_resume_finishes_a_run_stopped_at_the_end_of_its_budget(dataset, tmp_path):
+    """Stopped after its last step but before its model file was written: the same budget
+    finishes it (the weights are the budget's end) rather than being refused."""
+    run = tmp_path / "run"
+    _interrupted_run(dataset, run, "4steps", 4)
+    assert not (run / "model.safetensors").exists()
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY)
+    summary = Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False).run()
+    assert summary["status"] == "finished" and summary["steps"] == 4 and (run / "model.safetensors").is_file()

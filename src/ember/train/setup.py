@@ -210,3 +210,24 @@ def finished_summary(run_dir: Path, newest: Path | None, done) -> dict | None:
     if summary.get("status") != "finished" or summary.get("steps") != progress.get("step"):
         return None
     return summary | {"status": "already finished"}
+
+
+def check_budget_left(newest: Path | None, budget, done) -> None:
+    """Refuse to resume an unfinished run with a budget its newest checkpoint has already
+    spent (`done(progress)`): the loop would not run, and the run would be written up as
+    finished from weights its schedule never annealed. With the budget the checkpoint was
+    saved under, a run stopped after its last step but before its model file was written is
+    finished instead, as it would have been."""
+    if newest is None:
+        return
+    state = checkpoint.read_state(newest)
+    progress = state["progress"]
+    if not done(progress) or state.get("budget") == str(budget):
+        return
+    at = f"step {progress['step']:,}"
+    if budget.kind == "tokens":
+        at += f" ({progress['tokens']:,} tokens)"
+    elif budget.kind == "seconds":
+        at += f" ({progress['elapsed_s']:.0f}s of training)"
+    raise ConfigError(f"the run is already at {at}, which uses up the budget of {budget}; give a larger --budget "
+                      "to go on.")

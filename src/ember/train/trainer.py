@@ -42,7 +42,8 @@ from ember.train.model_file import save_model
 from ember.train.policies import HALT, ROLLBACK, STOP, Every, Policy, SpikeGuard, StepResult, StopOnSignal
 from ember.train.schedule import Progress, batch_size, lr_factor
 from ember.train.trackers import open_trackers
-from ember.train.setup import build_optimizer, check_data_fits, check_run_dir, finished_summary, resolve
+from ember.train.setup import (build_optimizer, check_budget_left, check_data_fits, check_run_dir, finished_summary,
+                               resolve)
 
 
 class Trainer:
@@ -61,8 +62,12 @@ class Trainer:
         self.parallel = check_run(cfg, self.world, self.seq_len, self.device.type)
         self.resume_from = check_run_dir(cfg, self.manifest, self.run_dir, resume, self.device)
         # A requeued job whose run had already finished: nothing to build, write or train.
-        self.finished = finished_summary(self.run_dir, self.resume_from,
-                                         lambda progress: Progress(**progress).done(self.budget))
+        def spent(progress: dict) -> bool:
+            return Progress(**progress).done(self.budget)
+
+        self.finished = finished_summary(self.run_dir, self.resume_from, spent)
+        if self.finished is None:
+            check_budget_left(self.resume_from, self.budget, spent)
         if self.world > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
         use_device(self.device)
