@@ -187,3 +187,24 @@ def test_a_terminated_train_says_whether_there_is_a_run_to_resume(dataset, tmp_p
     err = capsys.readouterr().err
     assert ("--resume continues the run" in err) is began
     assert ("training had not begun, so nothing was changed" in err) is not began
+
+
+HUGE = ["--set", "model.hidden=100000", "--set", "model.mlp_hidden=400000"]  # one weight alone is 40 GB
+
+
+def test_a_model_too_big_for_memory_is_one_sentence(dataset, tmp_path, capsys):
+    assert main(_train(dataset, tmp_path, "--budget", "3steps", *HUGE)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: the model does not fit") and err.count("\n") == 1, err
+    assert "GiB available" in err and "parallel.zero=3" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_allocators_own_out_of_memory_is_the_same_sentence(dataset, tmp_path, capsys, monkeypatch):
+    import ember.parallel.materialize as materialize
+
+    monkeypatch.setattr(materialize, "available_memory_bytes", lambda device: None)  # free memory not known
+    assert main(_train(dataset, tmp_path, "--budget", "3steps", *HUGE)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: the model does not fit") and err.count("\n") == 1, err
+    assert "ran out of memory" in err

@@ -150,6 +150,61 @@ def resident_bytes() -> int | None:
     return _proc_status_bytes("VmRSS")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # missing, or "max" (no limit)
+        return None
+
+
+def _stat_bytes(path: str, *fields: str) -> int | None:
+    """The sum of `fields` in a "name value" file (/proc/meminfo in kB, a cgroup's memory.stat
+    in bytes); None if the file or a field is missing."""
+    found: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name.rstrip(":") in fields:
+                    found[name.rstrip(":")] = int(rest.split()[0]) * (1024 if rest.rstrip().endswith("kB") else 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(found.values()) if len(found) == len(fields) else None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # missing, or "max" (no limit)
+        return None
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Bytes this process can still allocate on `device` now, or None where that is not known.
+    On CUDA, the device's free memory plus the caching allocator's own free blocks. On a CPU,
+    what the kernel could still hand out (its estimate of available memory, and free swap),
+    within the container's limit (cgroup v2 or v1) where one is set; a cgroup's usage counts
+    page cache, which it would reclaim, so its inactive file pages count as available."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    machine = _stat_bytes("/proc/meminfo", "MemAvailable", "SwapFree")
+    known = [machine] if machine is not None else []
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage, stat, cache in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+                                       "/sys/fs/cgroup/memory.stat", "inactive_file"),
+                                      (v1 + "limit_in_bytes", v1 + "usage_in_bytes", v1 + "stat",
+                                       "total_inactive_file")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 2**60:  # v1 writes "no limit" as a huge number
+            known.append(max(cap - used + (_stat_bytes(stat, cache) or 0), 0))
+    return min(known) if known else None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start the peak-memory counter again: the CUDA allocator's, or elsewhere the process's
     peak resident set (Linux resets it on writing 5 to /proc/self/clear_refs)."""
