@@ -84,3 +84,26 @@ def test_a_listed_file_that_is_missing_is_named(tmp_path):
     assert first_damaged(tmp_path) is None
     (tmp_path / "b.bin").unlink()
     assert first_damaged(tmp_path) == "b.bin"
+
+
+def test_a_checkpoint_that_lost_its_checksums_is_damaged(tmp_path):
+    """Its files could hold anything: it is refused as a mismatch is, not loaded unchecked."""
+    model, opt = _model_and_optimizer(0)
+    folder = save(tmp_path, 3, [model], [opt], {"progress": {"step": 3}})
+    (folder / "checksums.json").unlink()
+    other, other_opt = _model_and_optimizer(1)
+    with pytest.raises(ConfigError, match=r"checksums.json is missing or does not match .* the checkpoint is damaged"):
+        load(folder, [other], [other_opt])
+
+
+def test_a_checkpoint_from_before_checksums_still_loads(tmp_path):
+    """Written before checkpoints listed their sha256s (no list, and no record of one)."""
+    model, opt = _model_and_optimizer(0)
+    folder = save(tmp_path, 3, [model], [opt], {"progress": {"step": 3}})
+    (folder / "checksums.json").unlink()
+    layout = json.loads((folder / "sharded.json").read_text())
+    layout.pop("checksummed", None)
+    (folder / "sharded.json").write_text(json.dumps(layout))
+    other, other_opt = _model_and_optimizer(1)
+    assert load(folder, [other], [other_opt]) == {"progress": {"step": 3}}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))

@@ -16,7 +16,8 @@ A checkpoint is a folder `RUN_DIR/checkpoints/step_00000123/` holding:
   (`restores_rng`);
 - `sharded.json` (world size and parallel degrees at save time) and `state.json`
   (progress and data position: the `state` the trainer passes), written by rank 0;
-- `checksums.json`, the sha256 of every other file, checked before a load (`checksums.py`).
+- `checksums.json`, the sha256 of every other file, checked before a load (`checksums.py`);
+  `sharded.json` records that it was written ("checksummed"), so a folder without it is damaged.
 
 Every rank writes into `step_N.tmp/`; after a barrier rank 0 flushes and renames it, so
 a crash at any moment leaves the newest complete checkpoint loadable. `Checkpointer`
@@ -216,7 +217,7 @@ def _prepare(run_dir: Path, step: int, state: dict, layout: dict | None) -> tupl
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": world(), "layout": layout}))
+        (tmp / LAYOUT_FILE).write_text(json.dumps({"world_size": world(), "layout": layout, "checksummed": True}))
     barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank():05d}.pt")
     return tmp, final
@@ -310,7 +311,10 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
             raise ConfigError(f"{path} was written by an older ember in a format this one cannot resume; "
                               "its model.safetensors still evaluates and exports, or start a new run.")
         raise ConfigError(f"{path} is not an ember checkpoint (it has no {LAYOUT_FILE}).")
-    damaged = checksums.first_damaged(path)
+    saved = _read_json(path / LAYOUT_FILE)
+    # Only checkpoints from before checksums.json existed lack it by design.
+    listed = not isinstance(saved, dict) or saved.get("checksummed", False)
+    damaged = checksums.first_damaged(path, listed)
     if damaged is not None:
         raise ConfigError(f"{path / damaged} is missing or does not match its checksum: the checkpoint is damaged; "
                           f"rename it to {path.name}.damaged and --resume takes the one before it.")
@@ -334,7 +338,6 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
                                      options=_OPTIM)
             for group, kept in zip(optimizers[i].param_groups, how):
                 group.update(kept)
-    saved = _read_json(path / LAYOUT_FILE)
     rng_file = path / "rng" / f"rank_{rank():05d}.pt"
     if optimizers is not None and restores_rng(saved, world(), layout):
         if not rng_file.is_file():  # without it the run's dropout and masking would draw other numbers

@@ -5,7 +5,9 @@ Every rank hashes an equal share of the folder's files (every world-th, by sorte
 so the work per rank does not grow with the world size: a checkpoint is read back once in
 all, right after it is written, while its pages are still in the host's cache. Rank 0
 writes the list as `checksums.json`; a load checks its share the same way, and every rank
-learns the first damaged file. Checkpoints without the list (older ones) load unchecked.
+learns the first damaged file. A checkpoint records in its layout file that it has a list,
+so one that lost it is damaged; only those written before checkpoints had lists, with no
+such record, load unchecked.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def write(folder: Path, group=None) -> None:
         (folder / FILE).write_text(json.dumps(dict(sorted(found.items())), indent=1))
 
 
-def first_damaged(folder: Path) -> str | None:
+def first_damaged(folder: Path, listed: bool = True) -> str | None:
     """The first file (by name) that is missing or does not match its checksum, as every
-    rank sees it; None when all match or the folder has no list. Every rank calls it."""
-    listed = folder / FILE
+    rank sees it; None when all match, or when the folder has no list and was not written
+    with one (`listed` False). Every rank calls it."""
     try:
-        expected = json.loads(listed.read_text()) if listed.is_file() else {}
+        expected = json.loads((folder / FILE).read_text()) if (folder / FILE).is_file() or listed else {}
     except (OSError, ValueError):
         expected = None
     if not isinstance(expected, dict):  # a damaged list names itself
