@@ -8,6 +8,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 
 import ember.data.packing as packing
@@ -15,7 +16,7 @@ import ember.data.pipeline as pipeline
 import ember.data.work as work
 from ember.data import load_manifest, prepare
 from ember.data.mixing import Source
-from ember.data.resume import STATE_FILE
+from ember.data.resume import PICKLED_STATE_FILE, STARTED, STATE_FILE
 
 prepare_module = importlib.import_module("ember.data.prepare")  # ember.data.prepare is also the function
 
@@ -49,6 +50,8 @@ def interrupted(monkeypatch, inputs, out, at_save: int = 6, **args) -> None:
         prepare(inputs, out, **args)
     monkeypatch.setattr(packing, "save_shard", real_save)
     assert (out / STATE_FILE).is_file() and not (out / "manifest.json").exists()
+    with np.load(out / STATE_FILE, allow_pickle=False) as state:  # no object in it needs unpickling
+        assert all(state[name].dtype != object for name in state.files)
 
 
 def _interrupt_then_resume(monkeypatch, inputs, out, clean_out, **args):
@@ -84,6 +87,42 @@ def test_an_interrupted_preparation_continues_and_writes_what_an_uninterrupted_o
     assert not (tmp_path / "out" / STATE_FILE).exists()
     shards = sorted(p.name for p in (tmp_path / "out").glob("*.npy"))
     assert shards == sorted(p.name for p in (tmp_path / "clean").glob("*.npy"))
+
+
+def test_near_dedup_boundaries_and_curriculum_continue_as_they_were(tmp_path, monkeypatch):
+    """The near-duplicate index, the document boundaries and the curriculum keys of the rows
+    still waiting are part of the state: documents after the interruption that nearly repeat
+    ones before it are still found, and every file equals an uninterrupted run's."""
+    docs = _documents(600)
+    docs += [d + " value" for d in docs[:60]]  # one word more: near, not exact, duplicates
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    args = {**ARGS, "dedup": {"exact": True, "near": True}, "doc_boundaries": True, "curriculum": "sentence-length"}
+    resumed, clean, tokenized = _interrupt_then_resume(monkeypatch, [src], tmp_path / "out", tmp_path / "clean", **args)
+    assert _comparable(resumed) == _comparable(clean)
+    assert resumed["dedup"]["near_duplicates"] >= 50 and resumed["dedup"]["exact_duplicates"] > 0
+    assert 0 < tokenized < len(docs)
+    load_manifest(tmp_path / "out", verify=True)
+    names = [sorted(p.name for p in (tmp_path / folder).iterdir()) for folder in ("out", "clean")]
+    assert names[0] == names[1]
+
+
+def test_an_earlier_versions_pickled_state_is_refused_and_kept(tmp_path, capsys):
+    from ember.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(50)))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / STARTED).touch()
+    kept = {PICKLED_STATE_FILE: b"\x80\x05N.", "tokenizer.json": b"{}", "train_00000.npy": b"rows"}
+    for name, content in kept.items():
+        (out / name).write_bytes(content)
+    assert main(["data", "prepare", str(src), "--out", str(out), "--seq-len", "32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"holds an unfinished preparation saved by an earlier ember ({PICKLED_STATE_FILE})" in err
+    assert err.count("\n") == 1
+    assert all((out / name).read_bytes() == content for name, content in kept.items())
 
 
 def test_other_settings_start_over_instead_of_continuing(tmp_path, monkeypatch):

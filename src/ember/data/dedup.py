@@ -57,9 +57,12 @@ def _datasketch():
     return datasketch
 
 
+KEY_BYTES = 8
+
+
 def exact_key(text: str) -> bytes:
     """8 bytes that equal for texts differing only in case and whitespace."""
-    return hashlib.blake2b(_SPACE.sub(" ", text.lower()).strip().encode("utf-8"), digest_size=8).digest()
+    return hashlib.blake2b(_SPACE.sub(" ", text.lower()).strip().encode("utf-8"), digest_size=KEY_BYTES).digest()
 
 
 class Signer:
@@ -111,3 +114,30 @@ class Deduplicator:
             self.keys.add(key)
         self.kept += 1
         return None
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Its memory as arrays: the exact keys (8 bytes each), and for every document in the
+        LSH index its number and its band hashes, as the index stores them."""
+        arrays = {"kept": np.array(self.kept, dtype=np.int64),
+                  "keys": np.frombuffer(b"".join(self.keys), dtype=np.uint8).reshape(-1, KEY_BYTES)}
+        if self.lsh is not None:
+            numbers = list(self.lsh.keys.keys())
+            bands = b"".join(b"".join(self.lsh.keys.get(n)) for n in numbers)
+            arrays["lsh_numbers"] = np.array(numbers, dtype=np.int64)
+            arrays["lsh_bands"] = np.frombuffer(bands, dtype=np.uint8).reshape(len(numbers), -1)
+        return arrays
+
+    @classmethod
+    def restore(cls, config: DedupConfig, arrays: dict[str, np.ndarray]) -> Deduplicator:
+        deduper = cls(config)
+        deduper.kept = int(arrays["kept"])
+        deduper.keys = {row.tobytes() for row in arrays["keys"]}
+        if deduper.lsh is not None:
+            tables = deduper.lsh.hashtables
+            for number, row in zip(arrays["lsh_numbers"].tolist(), arrays["lsh_bands"]):
+                # Every band hash is the same width (the index cuts equal bands): split the row back.
+                hashes = [bytes(band) for band in np.split(row, len(tables))]
+                deduper.lsh.keys.insert(number, *hashes)
+                for band, table in zip(hashes, tables):
+                    table.insert(band, number)
+        return deduper

@@ -178,6 +178,32 @@ class SplitWriter:
             self.counts += np.bincount(shard.ravel(), minlength=len(self.counts))[: len(self.counts)]
         self.shards.append(entry)
 
+    def snapshot(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """What `restore` needs to continue this writer: plain values, and arrays (waiting
+        rows and keys joined into one, as `_write` and `finish` would join them)."""
+        meta = {"split": self.split, "seq_len": self.seq_len, "dtype": self.dtype.name, "sep_id": self.sep_id,
+                "shard_sequences": self.shard_sequences, "shards": self.shards, "documents": self.documents,
+                "boundaries": self.boundaries, "after_sep": self._after_sep, "curriculum": self.curriculum}
+        empty = np.zeros((0, self.seq_len), dtype=self.dtype)
+        arrays = {"tail": self.tail, "key_tail": self.key_tail,
+                  "rows": np.concatenate(self.rows) if self.rows else empty,
+                  "row_keys": np.concatenate(self.row_keys) if self.row_keys else np.zeros(0, dtype=np.float32)}
+        if self.counts is not None:
+            arrays["counts"] = self.counts
+        return meta, arrays
+
+    @classmethod
+    def restore(cls, out_dir: Path, meta: dict, arrays: dict[str, np.ndarray]) -> SplitWriter:
+        writer = cls(out_dir, meta["split"], meta["seq_len"], meta["dtype"], meta["sep_id"], meta["shard_sequences"],
+                     boundaries=meta["boundaries"], curriculum=meta["curriculum"])
+        writer.shards, writer.documents, writer._after_sep = meta["shards"], meta["documents"], meta["after_sep"]
+        writer.tail, writer.key_tail = arrays["tail"], arrays["key_tail"]
+        writer.rows = [arrays["rows"]] if len(arrays["rows"]) else []
+        writer.n_rows_waiting = len(arrays["rows"])
+        writer.row_keys = [arrays["row_keys"]] if len(arrays["row_keys"]) else []
+        writer.counts = arrays.get("counts")
+        return writer
+
     def finish(self) -> dict:
         """Write the last shard (the partial row is dropped) and return the split's entry."""
         if self.n_rows_waiting:

@@ -37,7 +37,8 @@ from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
-from ember.data.resume import STARTED, STATE_FILE, clear_state, fingerprint, load_state, save_state, written_files
+from ember.data.resume import (STARTED, STATE_FILE, clear_state, fingerprint, load_state, refuse_pickled_state,
+                               save_state, written_files)
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
 from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, new_counts, open_input
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
@@ -218,6 +219,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     dedup = dedup if isinstance(dedup, DedupConfig) else DedupConfig.from_dict(dedup)
     validate_args(sources, out_dir, tokenizer, vocab_size, seq_len, val_fraction, shard_sequences,
                   stopping, workers, curriculum)
+    refuse_pickled_state(out_dir)
     if shard_size is not None:
         shard_sequences_for(shard_size, seq_len, 2)  # refuse a malformed size before any work
     if not isinstance(tokenizer_documents, int) or tokenizer_documents < 0:

@@ -3,33 +3,46 @@
 Preparing a pretraining corpus (FineWeb-Edu, C4, a Wikipedia dump) takes hours, and a
 killed job, a full disk or a lost connection to a streamed dataset should not cost them
 again. After every batch that completed a shard, the packing pass saves its whole state
-(`resume.pkl`, written atomically): how many input documents it has consumed, the split
+(`resume.npz`, written atomically): how many input documents it has consumed, the split
 writers' unwritten rows and the shards they wrote, the deduplicator's memory and the
-running counts. Run the same command again and `prepare` finds the state, checks that it
-belongs to the same inputs and settings, keeps the tokenizer and the shards the state
-lists (every later file is a leftover and removed), reads past the documents already
-consumed without tokenizing them, and goes on. The result is the folder an uninterrupted
-run would have written, byte for byte.
+running counts: arrays and one JSON text, read with numpy's allow_pickle=False, so
+continuing never runs code from a file. Run the same command again and `prepare` finds
+the state, checks that it belongs to the same inputs and settings, keeps the tokenizer
+and the shards the state lists (every later file is a leftover and removed), reads past
+the documents already consumed without tokenizing them, and goes on. The result is the
+folder an uninterrupted run would have written, byte for byte.
 
 A resume re-reads the consumed documents (a streamed dataset streams them again), but
 spends no tokenizer or packing work on them. The state file is deleted when the manifest
 is written: a finished folder holds none.
+
+Earlier versions saved the state as a pickle (`resume.pkl`), which is never read: such a
+folder is refused in one sentence, keeping its shards for the version that wrote it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import pickle
+import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ember.atomic import write_atomic
+import numpy as np
 
-STATE_FILE = "resume.pkl"
+from ember.atomic import write_atomic
+from ember.data.dedup import DedupConfig, Deduplicator
+from ember.data.errors import DataError
+from ember.data.packing import SplitWriter
+from ember.data.pipeline import PassResult
+
+STATE_FILE = "resume.npz"
+PICKLED_STATE_FILE = "resume.pkl"  # earlier versions' state
 # Made first in --out: a folder holding it is an unfinished preparation this command may continue.
 STARTED = ".ember-prepare-started"
-STATE_VERSION = 1
+STATE_VERSION = 2
+_META = "meta.json"  # the array holding the JSON text of every plain value
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
@@ -38,26 +51,79 @@ def fingerprint(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):  # a count or id that stayed a numpy scalar
+        return value.item()
+    raise TypeError(f"{type(value).__name__} has no place in a preparation's state")
+
+
+def _flatten(state: dict[str, Any]) -> tuple[dict, dict[str, np.ndarray]]:
+    out, deduper = state["out"], state["deduper"]
+    meta = {"kind": state["kind"], "force_val": state["force_val"], "next_index": state["next_index"],
+            "val_tokens": state["val_tokens"], "writers": {},
+            "out": {"splits": out.splits, "entropy": out.entropy, "dropped": dict(out.dropped),
+                    "changed": dict(out.changed), "per_source": out.per_source,
+                    "documents_seen": out.documents_seen},
+            "dedup": deduper.config.to_dict() if deduper is not None else None}
+    arrays = {"out.histogram": out.histogram}
+    for name, counts in zip(("docs", "tokens", "chars"), state["kept"]):
+        arrays[f"kept.{name}"] = counts
+    for split, writer in state["writers"].items():
+        meta["writers"][split], parts = writer.snapshot()
+        arrays.update({f"writer.{split}.{k}": v for k, v in parts.items()})
+    if deduper is not None:
+        arrays.update({f"dedup.{k}": v for k, v in deduper.snapshot().items()})
+    return meta, arrays
+
+
+def _unflatten(meta: dict, arrays: dict[str, np.ndarray], out_dir: Path) -> dict[str, Any]:
+    def part(prefix: str) -> dict[str, np.ndarray]:
+        return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+    out = PassResult(**{**meta["out"], "dropped": Counter(meta["out"]["dropped"]),
+                        "changed": Counter(meta["out"]["changed"]), "histogram": arrays["out.histogram"]})
+    writers = {split: SplitWriter.restore(out_dir, m, part(f"writer.{split}."))
+               for split, m in meta["writers"].items()}
+    deduper = (Deduplicator.restore(DedupConfig(**meta["dedup"]), part("dedup."))
+               if meta["dedup"] is not None else None)
+    return {"kind": meta["kind"], "force_val": meta["force_val"], "next_index": meta["next_index"],
+            "val_tokens": meta["val_tokens"], "writers": writers, "deduper": deduper, "out": out,
+            "kept": tuple(arrays[f"kept.{name}"] for name in ("docs", "tokens", "chars"))}
+
+
 def save_state(out_dir: Path, key: str, state: dict[str, Any]) -> None:
-    payload = {"version": STATE_VERSION, "fingerprint": key, **state}
-    write_atomic(Path(out_dir) / STATE_FILE, lambda handle: pickle.dump(payload, handle, protocol=5))
+    meta, arrays = _flatten(state)
+    meta |= {"version": STATE_VERSION, "fingerprint": key}
+    text = np.array(json.dumps(meta, default=_plain))
+    # Given an open file (not a name, to which it would add ".npz"), np.savez writes into it.
+    write_atomic(Path(out_dir) / STATE_FILE, lambda handle: np.savez(handle, **{_META: text}, **arrays))
+
+
+def refuse_pickled_state(out_dir: Path) -> None:
+    """An unfinished preparation of an earlier version is kept, not redone: its state is a
+    pickle, which this version does not read."""
+    if (Path(out_dir) / PICKLED_STATE_FILE).is_file():
+        raise DataError(f"--out {out_dir} holds an unfinished preparation saved by an earlier ember "
+                        f"({PICKLED_STATE_FILE}), which this version does not read; finish it with that "
+                        f"version, or delete {PICKLED_STATE_FILE} to start over.")
 
 
 def load_state(out_dir: Path, key: str) -> dict[str, Any] | None:
     """The saved state of an interrupted preparation of the same inputs and settings, or
     None (no state, another version, or other settings: then the preparation starts over)."""
-    path = Path(out_dir) / STATE_FILE
+    out_dir = Path(out_dir)
+    path = out_dir / STATE_FILE
     if not path.is_file():
         return None
     try:
-        with open(path, "rb") as handle:
-            # Only ever a file this module wrote into the user's own output folder.
-            state = pickle.load(handle)  # noqa: S301
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+        meta = json.loads(str(arrays.pop(_META)))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # a damaged file: start over
         return None
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or state.get("fingerprint") != key:
+    if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION or meta.get("fingerprint") != key:
         return None
-    return state
+    return _unflatten(meta, arrays, out_dir)
 
 
 def clear_state(out_dir: Path) -> None:
