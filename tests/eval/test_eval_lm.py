@@ -123,3 +123,24 @@ def test_a_checkpoints_numbers_do_not_replace_the_final_models(dataset, tmp_path
     final = json.loads((run / "eval" / "lm.json").read_text())
     earlier = json.loads((run / "eval" / f"lm_{step.name}.json").read_text())
     assert final["weights"].endswith("model.safetensors") and earlier["weights"] == str(step)
+
+
+def test_a_damaged_checkpoint_is_named_without_resume_advice(dataset, tmp_path_factory, tmp_path, capsys):
+    """Evaluation reads a checkpoint, it does not resume one: the sentence names the damaged
+    file, and setting the folder aside for --resume is not evaluation's business (a folder
+    already set aside must not be told to become NAME.damaged.damaged)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run("causal", dataset, tmp_path_factory), run, ignore=shutil.ignore_patterns("eval"))
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    shard = sorted(step.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    for folder in (step, step.with_name(step.name + ".damaged")):
+        if not folder.exists():
+            step.rename(folder)  # as the user would set it aside
+        assert main(["eval", "lm", "--checkpoint", str(folder), "--data", str(dataset), "--batches", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{folder / shard.name} is missing or does not match its checksum" in err, err
+        assert "--resume" not in err and "rename" not in err and ".damaged.damaged" not in err, err
+        assert err.count("\n") == 1 and not list(run.glob("eval/*.json"))

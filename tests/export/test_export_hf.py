@@ -174,3 +174,17 @@ def test_a_terminated_export_leaves_nothing_behind(tmp_path, capsys, monkeypatch
     assert stop.value.code == 128 + signal.SIGTERM
     assert "terminated; nothing half-written was left" in capsys.readouterr().err
     assert list((tmp_path / "exports").iterdir()) == []
+
+
+def test_a_damaged_checkpoint_is_named_without_resume_advice(tmp_path, capsys):
+    from ember.train.checkpoint import save
+
+    model, _ = make_run(tmp_path / "run", LLAMA)
+    folder = save(tmp_path / "run", 5, [model], [torch.optim.AdamW(model.parameters())], {"progress": {"step": 5}})
+    (folder / "state.json").write_text("garbage")
+    folder = folder.rename(folder.with_name(folder.name + ".damaged"))
+    assert main(["export", "hf", "--checkpoint", str(folder), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder / 'state.json'} is missing or does not match its checksum" in err, err
+    assert "--resume" not in err and "rename" not in err and ".damaged.damaged" not in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "hf").exists()

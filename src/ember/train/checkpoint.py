@@ -304,20 +304,23 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
          layout: dict | None = None) -> dict:
     """Fill `parts` (and `optimizers`, and this rank's RNG when `layout` is the saver's) from
     a checkpoint written under any layout; every rank calls it. Works without a process
-    group (one process). Returns the saved `state`."""
+    group (one process). Returns the saved `state`. With `optimizers` the load continues a
+    run, and a damaged checkpoint is met with how --resume passes over it; without, the
+    weights are read for evaluation or export."""
     path = Path(path)
+    resuming = optimizers is not None
     if not is_checkpoint(path):
         if (path / "optimizer.pt").is_file():
             raise ConfigError(f"{path} was written by an older ember in a format this one cannot resume; "
                               "its model.safetensors still evaluates and exports, or start a new run.")
         raise ConfigError(f"{path} is not an ember checkpoint (it has no {LAYOUT_FILE}).")
-    saved = _read_json(path / LAYOUT_FILE)
+    saved = _read_json(path / LAYOUT_FILE, resuming)
     # Only checkpoints from before checksums.json existed lack it by design.
     listed = not isinstance(saved, dict) or saved.get("checksummed", False)
     damaged = checksums.first_damaged(path, listed)
     if damaged is not None:
         raise ConfigError(f"{path / damaged} is missing or does not match its checksum: the checkpoint is damaged; "
-                          f"rename it to {path.name}.damaged and --resume takes the one before it.")
+                          f"{_what_next(path, resuming)}.")
     # Fresh optimizers get zero states here, shaped and placed like the parameters, so
     # DCP has a destination for every shard.
     to_load, model_keys, optim_keys = _collect(parts, optimizers)
@@ -326,10 +329,10 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
             dcp.load(to_load, checkpoint_id=str(path))
     except dcp.CheckpointException as err:  # raised on every rank alike
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        cause = ("resume with the model settings the run was saved with, or, if they are those, the checkpoint "
+                 "is damaged:" if resuming else "the run's config.toml was changed, or the checkpoint is damaged;")
         raise ConfigError(f"{path} cannot be loaded into this model ({lines[-1] if lines else 'unreadable'}): "
-                          "resume with the model settings the run was saved with, or, if they are those, the "
-                          f"checkpoint is damaged: rename it to {path.name}.damaged and --resume takes the one "
-                          "before it.") from None
+                          f"{cause} {_what_next(path, resuming)}.") from None
     for i, part in enumerate(parts):
         set_model_state_dict(part, {k: to_load["model"][k] for k in model_keys[i]})
         if optimizers is not None:
@@ -342,19 +345,28 @@ def load(path: Path, parts: list[nn.Module], optimizers: list[Optimizer] | None 
     if optimizers is not None and restores_rng(saved, world(), layout):
         if not rng_file.is_file():  # without it the run's dropout and masking would draw other numbers
             raise ConfigError(f"{path} lacks {rng_file.relative_to(path)}, so the run cannot continue exactly; "
-                              f"rename the checkpoint to {path.name}.damaged and --resume takes the one before it.")
+                              f"{_what_next(path, resuming)}.")
         set_rng_state(torch.load(rng_file, weights_only=True))
-    return read_state(path)
+    return read_state(path, resuming)
 
 
-def read_state(path: Path) -> dict:
+def read_state(path: Path, resuming: bool = True) -> dict:
     """A checkpoint's `state.json`: the trainer's progress and data position."""
-    return _read_json(Path(path) / "state.json")
+    return _read_json(Path(path) / "state.json", resuming)
 
 
-def _read_json(file: Path) -> dict:
+def _read_json(file: Path, resuming: bool) -> dict:
     try:
         return json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{file} cannot be read ({type(err).__name__}): the checkpoint is damaged; rename "
-                          f"it to {file.parent.name}.damaged and --resume takes the one before it.") from None
+        raise ConfigError(f"{file} cannot be read ({type(err).__name__}): the checkpoint is damaged; "
+                          f"{_what_next(file.parent, resuming)}.") from None
+
+
+def _what_next(path: Path, resuming: bool) -> str:
+    """What a user does about damaged checkpoint `path`. Renaming it is how --resume passes
+    over it, which only a resume needs (and a resume only loads names without a suffix);
+    evaluation and export read the folder named to them, which may be one set aside."""
+    if not resuming:
+        return "give --checkpoint another of the run's checkpoints"
+    return f"rename it to {path.name}.damaged and --resume takes the one before it"
