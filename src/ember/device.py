@@ -150,14 +150,6 @@ def resident_bytes() -> int | None:
     return _proc_status_bytes("VmRSS")
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):  # missing, or "max" (no limit)
-        return None
-
-
 def _stat_bytes(path: str, *fields: str) -> int | None:
     """The sum of `fields` in a "name value" file (/proc/meminfo in kB, a cgroup's memory.stat
     in bytes); None if the file or a field is missing."""
