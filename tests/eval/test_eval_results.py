@@ -109,6 +109,10 @@ def test_held_out_scores_are_replaced_only_for_the_same_data(run, dataset, tmp_p
     one = json.loads(scores.read_text())["sequences"]
     assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "2"]) == 0
     assert json.loads(scores.read_text())["sequences"] == 2 * one
+    capsys.readouterr()
+    code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"])
+    refused(capsys, code, f"holds the scores of {2 * one:,} held-out sequences and this scores {one:,}")
+    assert json.loads(scores.read_text())["sequences"] == 2 * one  # fewer never replace more
     other = tmp_path / "other"
     shutil.copytree(dataset, other)
     capsys.readouterr()

@@ -35,11 +35,15 @@ def _cmd_lm(args) -> int:
     from ember.eval.run import open_run
 
     run = open_run(args.checkpoint)
-    check_data(run, load_manifest(Path(args.data)), Path(args.data))  # the inputs first, then where results go
+    manifest = load_manifest(Path(args.data))
+    check_data(run, manifest, Path(args.data))  # the inputs first, then where results go
     out = Path(args.out) if args.out else run.result_path("eval", "lm")
     earlier = claim(out, run.run_dir, "lm")
     if earlier is not None:
-        check_lm_data(out, earlier, run.weights, Path(args.data))
+        held_out = manifest["splits"]["val"]["sequences"]
+        per_batch = run.config.train.micro_batch if args.batch_size is None else args.batch_size
+        scored = held_out if args.batches is None else min(held_out, args.batches * max(per_batch, 0))
+        check_lm_data(out, earlier, run.weights, Path(args.data), scored)
     result = evaluate_lm(run, args.data, batches=args.batches, batch_size=args.batch_size, device=args.device)
     what = "masked-token" if result["objective"] == "mlm" else "next-token"
     line = (f"held-out loss {result['loss']:.4f}   perplexity {result['perplexity']:,.2f}   "

@@ -5,7 +5,7 @@ else in the run it could replace part of the run (its weights, its summary) or, 
 the run does not know, make `ember train --resume` refuse the folder. A file already at the
 target is replaced only by the same evaluation of the same weights: GLUE results keep the
 tasks not run again when the fine-tuning setup matches, and held-out scores are replaced only
-for the same data. Any other file is left as it is and the evaluation refused.
+for the same data, over at least as many sequences. Any other file is left as it is and the evaluation refused.
 """
 
 from __future__ import annotations
@@ -89,8 +89,13 @@ def _scored(task) -> bool:
         for m in metrics.values())
 
 
-def check_lm_data(path: Path, old: dict, weights: Path, data_dir: Path) -> None:
-    """Held-out scores are replaced only by scores of the same weights on the same data."""
+def check_lm_data(path: Path, old: dict, weights: Path, data_dir: Path, sequences: int) -> None:
+    """Held-out scores are replaced only by scores of the same weights on the same data, over
+    at least as many of its sequences: a quick look at the first batches never replaces a
+    whole split's numbers."""
     if not (_same_path(old.get("weights"), str(weights)) and _same_path(old.get("data"), str(data_dir))):
         raise ConfigError(f"{path} holds the scores of {old.get('weights')} on {old.get('data')}; "
                           "pass --out another file to keep both.")
+    if isinstance(old.get("sequences"), int) and old["sequences"] > sequences:
+        raise ConfigError(f"{path} holds the scores of {old['sequences']:,} held-out sequences and this scores "
+                          f"{sequences:,}; pass --out another file to keep both.")
