@@ -80,7 +80,9 @@ def plan_trials(args):
         if key in layout_keys():
             raise ConfigError(f"--set {item}: ember tune chooses {key} for each trial; leave it out, or name "
                               "the layouts to measure with --layout.")
-    config = load_config(args.config, args.set)
+    # Each trial sets its own train.micro_batch, and run_problems holds that one against the
+    # global batch; the recipe's would refuse a global batch the trials can train.
+    config = load_config(args.config, args.set + ["train.micro_batch=1"])
     manifest = load_manifest(Path(args.data))
     check_data_fits(config, manifest)  # what every trial would refuse, refused once, before any runs
     config = resolve(config, manifest)
