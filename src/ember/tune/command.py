@@ -223,7 +223,7 @@ def table(trials, finished, n_gpus: int) -> Table:
         ratio = f"{t.tokens_per_s / predicted:.2f}" if t.tokens_per_s is not None else "-"
         memory = "-" if t.peak_memory_gib is None else (f"{t.peak_memory_gib:.2f}"
                                                         + (" rss" if t.memory_source == "rss" else ""))
-        status = "ok" if t.status == "finished" else f"failed: {t.reason}"
+        status = {"finished": "ok", "not run": "not run"}.get(t.status, f"failed: {t.reason}")
         out.add_row(str(t.index), p.layout.text(), f"{predicted:,.0f}", measured, ratio,
                     f"{t.predicted_memory_gib:.2f}", memory, str(t.planner_rank or "-"),
                     str(measured_rank.get(t.index, "-")), status)
