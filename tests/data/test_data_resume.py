@@ -15,6 +15,7 @@ import ember.data.packing as packing
 import ember.data.pipeline as pipeline
 import ember.data.work as work
 from ember.data import load_manifest, prepare
+from ember.data.errors import DataError
 from ember.data.mixing import Source
 from ember.data.resume import PICKLED_STATE_FILE, STARTED, STATE_FILE
 
@@ -125,13 +126,48 @@ def test_an_earlier_versions_pickled_state_is_refused_and_kept(tmp_path, capsys)
     assert all((out / name).read_bytes() == content for name, content in kept.items())
 
 
-def test_other_settings_start_over_instead_of_continuing(tmp_path, monkeypatch):
+def test_other_settings_are_refused_naming_the_difference_and_the_folder_is_kept(tmp_path, monkeypatch, capsys):
+    from ember.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(400)))
+    out = tmp_path / "out"
+    interrupted(monkeypatch, [src], out, **ARGS)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for change, named in (({"seq_len": 24}, "--seq-len 32 (not 24)"), ({"dedup": {"near": True}}, "--dedup"),
+                          ({"seed": 4}, "--seed 3 (not 4)")):
+        with pytest.raises(DataError) as refused:
+            prepare([src], out, **{**ARGS, **change})
+        assert named in str(refused.value) and "run the command that started it to continue it" in str(refused.value)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert main(["data", "prepare", str(src), "--out", str(out), "--seq-len", "64", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "holds an unfinished preparation with" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_same_input_named_by_another_path_continues(tmp_path, monkeypatch):
+    """A relative path, an absolute one and a symlink name the same file: the preparation
+    continues instead of starting over."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(600)))
+    (tmp_path / "link.jsonl").symlink_to(src)
+    interrupted(monkeypatch, [src], tmp_path / "out", **ARGS)
+    monkeypatch.chdir(tmp_path)
+    tokenized, real_process = [], work.process
+    monkeypatch.setattr(pipeline, "process", lambda docs: tokenized.append(len(docs)) or real_process(docs))
+    resumed = prepare(["link.jsonl"], "out", **ARGS)
+    assert 0 < sum(tokenized) < 600
+    assert resumed["splits"] == prepare([src], tmp_path / "clean", **ARGS)["splits"]
+
+
+def test_a_damaged_state_starts_over(tmp_path, monkeypatch):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in _documents(400)))
     interrupted(monkeypatch, [src], tmp_path / "out", **ARGS)
-    other = {**ARGS, "seq_len": 24}
-    redone = prepare([src], tmp_path / "out", **other)
-    assert _comparable(redone) == _comparable(prepare([src], tmp_path / "clean", **other))
+    (tmp_path / "out" / STATE_FILE).write_bytes(b"not a zip file")
+    redone = prepare([src], tmp_path / "out", **ARGS)
+    assert _comparable(redone) == _comparable(prepare([src], tmp_path / "clean", **ARGS))
 
 
 def test_a_streamed_hugging_face_dataset_resumes(tmp_path, monkeypatch):
@@ -152,6 +188,7 @@ def test_a_streamed_hugging_face_dataset_resumes(tmp_path, monkeypatch):
 _MEASURE = r"""
 import sys, threading, time
 from ember.data import prepare
+from ember.data.errors import DataError
 from ember.data.mixing import Source
 
 peak, done = [0], [False]

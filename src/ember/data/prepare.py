@@ -3,8 +3,8 @@
 The manifest is written last and atomically, so a folder with a manifest is a finished
 preparation (never overwritten) and a folder without one is an interrupted one: the same
 command continues it from its last completed shard (resume.py), or, when the state of
-that shard is missing or belongs to other inputs or settings, removes its leftovers and
-starts over.
+that shard is missing or damaged, removes its leftovers and starts over. A state saved
+with other inputs or settings is refused, naming what differs, and the folder kept.
 
 Which split a document goes to depends only on (seed, document index), through a hash,
 so the split is reproducible and needs no shuffling pass. One extra rule keeps the
@@ -37,10 +37,10 @@ from ember.data.errors import DataError
 from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
-from ember.data.resume import (STARTED, STATE_FILE, clear_state, fingerprint, load_state, refuse_pickled_state,
-                               save_state, written_files)
+from ember.data.resume import (STARTED, STATE_FILE, clear_state, load_state, refuse_pickled_state, save_state,
+                               written_files)
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
-from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, new_counts, open_input
+from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, is_hf_spec, new_counts, open_input
 from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
                                   train_tokenizer)
 
@@ -170,6 +170,11 @@ def input_identity(sources: list[Source], files: list[list]) -> list[list]:
     return out
 
 
+def _source_identity(source: Source) -> list:
+    path = source.path if is_hf_spec(source.path) else os.path.realpath(source.path)
+    return [path, source.weight, source.text_field, source.split, source.data_files, source.config]
+
+
 def remove_leftovers(out_dir: Path, keep: set[str] = frozenset()) -> None:
     """Delete what an interrupted preparation left behind (only files this module writes)."""
     for path in out_dir.iterdir():
@@ -230,17 +235,19 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
-    # The files themselves (path, size, modification time): a changed or added input starts over.
-    key = fingerprint({"sources": [s.describe() for s in sources], "files": input_identity(sources, files),
-                       "tokenizer": tokenizer,
-                       "tokenizer_file": _sha256(Path(tokenizer).read_text(encoding="utf-8", errors="replace"))
-                       if tokenizer not in KINDS and Path(tokenizer).is_file() else None,
-                       "vocab_size": vocab_size, "seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
-                       "shard": [shard_sequences, shard_size], "text_field": text_field, "clean": clean.to_dict(),
-                       "dedup": dedup.to_dict(), "boundaries": doc_boundaries, "stopping": stopping,
-                       "max_document_bytes": max_document_bytes, "curriculum": curriculum,
-                       "tokenizer_documents": tokenizer_documents})
-    state = load_state(out_dir, key) if (out_dir / TOKENIZER_FILE).is_file() else None
+    # What a saved state must match to be continued. Paths are compared resolved: the same
+    # file named from another directory, absolutely or through a symlink is the same input.
+    # The files themselves (path, size, modification time) too: an edited input is other data.
+    settings = {"sources": [_source_identity(s) for s in sources], "files": input_identity(sources, files),
+                "tokenizer": tokenizer if tokenizer in KINDS else "file",
+                "tokenizer_file": _sha256(Path(tokenizer).read_text(encoding="utf-8", errors="replace"))
+                if tokenizer not in KINDS and Path(tokenizer).is_file() else None,
+                "vocab_size": vocab_size, "seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
+                "shard": shard_sequences if shard_size is None else shard_size, "text_field": text_field,
+                "clean": clean.to_dict(), "dedup": dedup.to_dict(), "boundaries": doc_boundaries,
+                "stopping": stopping, "max_document_bytes": max_document_bytes, "curriculum": curriculum,
+                "tokenizer_documents": tokenizer_documents}
+    state = load_state(out_dir, settings) if (out_dir / TOKENIZER_FILE).is_file() else None
     if state is not None:  # the interrupted run's own tokenizer, not a new training
         tok, kind = load_tokenizer(out_dir / TOKENIZER_FILE), state["kind"]
     elif tokenizer in KINDS:
@@ -274,7 +281,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
                        boundaries=doc_boundaries, val_mask=val_mask, curriculum=curriculum)
 
         def saver(force_val: bool):
-            return lambda s: save_state(out_dir, key, s | {"kind": kind, "force_val": force_val})
+            return lambda s: save_state(out_dir, settings, s | {"kind": kind, "force_val": force_val})
 
         with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
             if state is None or not state["force_val"]:

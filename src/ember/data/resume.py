@@ -7,7 +7,10 @@ again. After every batch that completed a shard, the packing pass saves its whol
 writers' unwritten rows and the shards they wrote, the deduplicator's memory and the
 running counts: arrays and one JSON text, read with numpy's allow_pickle=False, so
 continuing never runs code from a file. Run the same command again and `prepare` finds
-the state, checks that it belongs to the same inputs and settings, keeps the tokenizer
+the state, checks that it belongs to the same inputs and settings (a state saved with
+other ones is refused in one sentence naming the difference, and the folder kept: a
+changed flag must not silently cost the hours already spent; input files edited since
+mean starting over, since no command could continue), keeps the tokenizer
 and the shards the state lists (every later file is a leftover and removed), reads past
 the documents already consumed without tokenizing them, and goes on. The result is the
 folder an uninterrupted run would have written, byte for byte.
@@ -17,12 +20,13 @@ spends no tokenizer or packing work on them. The state file is deleted when the 
 is written: a finished folder holds none.
 
 Earlier versions saved the state as a pickle (`resume.pkl`), which is never read: such a
-folder is refused in one sentence, keeping its shards for the version that wrote it.
+folder is refused in one sentence, keeping its shards for the version that wrote it. A
+`resume.npz` that is damaged or of another state version cannot be continued and the
+preparation starts over.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import zipfile
 from collections import Counter
@@ -41,14 +45,19 @@ STATE_FILE = "resume.npz"
 PICKLED_STATE_FILE = "resume.pkl"  # earlier versions' state
 # Made first in --out: a folder holding it is an unfinished preparation this command may continue.
 STARTED = ".ember-prepare-started"
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: the settings themselves, not their hash, so that a difference can be named
 _META = "meta.json"  # the array holding the JSON text of every plain value
+# How a refusal names each setting: the command's flag for it.
+_FLAGS = {"tokenizer": "--tokenizer", "tokenizer_file": "--tokenizer", "vocab_size": "--vocab-size",
+          "seq_len": "--seq-len", "val_fraction": "--val-fraction", "seed": "--seed", "shard": "--shard-size",
+          "text_field": "--text-field", "clean": "cleaning", "dedup": "--dedup", "boundaries": "--doc-boundaries",
+          "stopping": "--stopping", "max_document_bytes": "max_document_bytes", "curriculum": "--curriculum",
+          "tokenizer_documents": "--tokenizer-documents"}
 
 
-def fingerprint(settings: dict[str, Any]) -> str:
-    """What must be equal for a saved state to be continued: inputs and every setting that
-    changes the shards (JSON of the values, hashed)."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+def plain_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` as they read back from the state's JSON (tuples become lists, and so on)."""
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
 def _plain(value: Any) -> Any:
@@ -91,9 +100,9 @@ def _unflatten(meta: dict, arrays: dict[str, np.ndarray], out_dir: Path) -> dict
             "kept": tuple(arrays[f"kept.{name}"] for name in ("docs", "tokens", "chars"))}
 
 
-def save_state(out_dir: Path, key: str, state: dict[str, Any]) -> None:
+def save_state(out_dir: Path, settings: dict[str, Any], state: dict[str, Any]) -> None:
     meta, arrays = _flatten(state)
-    meta |= {"version": STATE_VERSION, "fingerprint": key}
+    meta |= {"version": STATE_VERSION, "settings": plain_settings(settings)}
     text = np.array(json.dumps(meta, default=_plain))
     # Given an open file (not a name, to which it would add ".npz"), np.savez writes into it.
     write_atomic(Path(out_dir) / STATE_FILE, lambda handle: np.savez(handle, **{_META: text}, **arrays))
@@ -108,9 +117,34 @@ def refuse_pickled_state(out_dir: Path) -> None:
                         f"version, or delete {PICKLED_STATE_FILE} to start over.")
 
 
-def load_state(out_dir: Path, key: str) -> dict[str, Any] | None:
+def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The first setting that differs, as the command line would give it."""
+    if old.get("sources") != new.get("sources"):
+        return "other inputs or other weights"
+    for name in sorted(set(old) | set(new)):
+        was, now = old.get(name), new.get(name)
+        if was == now or name == "files":
+            continue
+        flag = _FLAGS.get(name, name)
+        if name == "tokenizer_file":
+            return f"another {flag} file"
+        if isinstance(was, dict) and isinstance(now, dict):
+            keys = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+            was = ", ".join(f"{k}={was.get(k)}" for k in keys)
+            now = ", ".join(f"{k}={now.get(k)}" for k in keys)
+        return f"{flag} {was} (not {now})"
+    return "other settings"
+
+
+def _same_command(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    return {k: v for k, v in old.items() if k != "files"} == {k: v for k, v in new.items() if k != "files"}
+
+
+def load_state(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
     """The saved state of an interrupted preparation of the same inputs and settings, or
-    None (no state, another version, or other settings: then the preparation starts over)."""
+    None (no state, a damaged one, one of another version, or one of input files changed
+    since: then the preparation starts over). A readable state saved by a command with other
+    inputs or settings is refused, not discarded."""
     out_dir = Path(out_dir)
     path = out_dir / STATE_FILE
     if not path.is_file():
@@ -121,9 +155,17 @@ def load_state(out_dir: Path, key: str) -> dict[str, Any] | None:
         meta = json.loads(str(arrays.pop(_META)))
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # a damaged file: start over
         return None
-    if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION or meta.get("fingerprint") != key:
+    if not isinstance(meta, dict) or meta.get("version") != STATE_VERSION or not isinstance(meta.get("settings"), dict):
         return None
-    return _unflatten(meta, arrays, out_dir)
+    settings = plain_settings(settings)
+    if meta["settings"] == settings:
+        return _unflatten(meta, arrays, out_dir)
+    if _same_command(meta["settings"], settings):
+        # The same command over input files that changed since (edited, or more of them in a
+        # folder): no command can continue that state, so the data as it is now is prepared.
+        return None
+    raise DataError(f"{out_dir} holds an unfinished preparation with {_difference(meta['settings'], settings)}; "
+                    "run the command that started it to continue it, or delete the folder to start over.")
 
 
 def clear_state(out_dir: Path) -> None:
