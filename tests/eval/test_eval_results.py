@@ -60,6 +60,18 @@ def test_a_users_file_is_never_replaced(run, dataset, tmp_path, capsys, no_compu
     assert mine.read_text() == '{"my": "numbers"}'
 
 
+def test_an_existing_file_without_json_suffix_is_the_file_out_names(run, tmp_path, capsys, no_compute):
+    """--out FOLDER means a folder: an existing file of another name is judged as the results
+    file it names, never taken for a folder to write results.json into."""
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    readme = tmp_path / "README.md"
+    readme.write_text("# my notes\n")
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte",
+                 "--out", str(readme), "--quiet"])
+    refused(capsys, code, f"--out {readme} exists and is not a results file of `ember eval glue`")
+    assert readme.read_text() == "# my notes\n"
+
+
 def test_an_unwritable_out_is_refused_before_fine_tuning(run, tmp_path, capsys, no_compute):
     glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
     (tmp_path / "afile").write_text("x")

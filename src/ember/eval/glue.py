@@ -40,7 +40,11 @@ def results_path(run: Run, out: str | Path | None) -> Path:
     if out is None:
         return run.result_path("eval/glue", "results")
     out = Path(out)
-    return out if out.suffix == ".json" else out / "results.json"
+    # An existing file is the file --out names, whatever its suffix: claim() then judges it,
+    # where taking it for a folder could only fail on results.json inside it.
+    if out.suffix == ".json" or (out.exists() and not out.is_dir()):
+        return out
+    return out / "results.json"
 
 
 def aggregate(per_seed: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
