@@ -2,6 +2,7 @@
 search, profiles, and one sentence with exit status 2 for every mistake."""
 
 import json
+import re
 
 import pytest
 
@@ -254,3 +255,28 @@ def test_a_calibrated_cpu_is_planned_in_the_precision_the_trainer_uses_there(tmp
     assert json.loads(capsys.readouterr().out)["shape"]["precision"] == "bf16"
     assert main(BASE + ["--precision", "fp32", "--stack", "megatron"]) == 2
     assert "trains in mixed precision" in capsys.readouterr().err
+
+
+def test_the_header_gives_a_small_models_size_readably(capsys):
+    args = ["plan", "--model", str(REPO / "configs/tiny-gpt.toml"), "--gpu", "H100", "--gpus", "1",
+            "--global-batch", "16", "--set", "model.vocab_size=512"]
+    assert main(args) == 0
+    assert re.search(r"^tiny-gpt: 1\.\d M parameters,", capsys.readouterr().out)
+    assert main(args + ["--set", "model.hidden=32", "--set", "model.mlp_hidden=64"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert re.search(r": \d{2},\d{3} parameters,", first), first
+    assert main(BASE) == 0
+    assert re.search(r": 17\d\.\d\d B parameters,", capsys.readouterr().out)
+
+
+def test_a_recipe_gives_the_global_batch_a_preset_asks_for(capsys):
+    """The recipe's train.global_batch (16 in tiny-gpt.toml) is the batch it trains with."""
+    args = ["plan", "--model", str(REPO / "configs/tiny-gpt.toml"), "--gpu", "H100", "--gpus", "2",
+            "--set", "model.vocab_size=512", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["global_batch"] == 16 and "train.global_batch=16" in out["best"]["command"]
+    assert main(args + ["--global-batch", "32"]) == 0  # the flag still decides when given
+    assert json.loads(capsys.readouterr().out)["shape"]["global_batch"] == 32
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8"]) == 2
+    assert "--global-batch" in capsys.readouterr().err

@@ -167,6 +167,8 @@ def _setup(args):
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top must be at least 1, not {args.top}.")
+    if args.global_batch is None and config is not None:  # the batch the recipe trains with
+        args.global_batch = config.train.global_batch
     if args.global_batch is None:
         raise ConfigError("give the global batch in sequences with --global-batch.")
     if seq < 1 or args.global_batch < 1:

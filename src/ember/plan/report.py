@@ -62,8 +62,18 @@ def command_notes(model, recipe: str | None, layout: Layout | None = None,
     return notes
 
 
+def parameter_count(n: int) -> str:
+    """A model's size as people quote it: 7.25 B, 124.4 M; a tiny model's whole count
+    (0.00 B would say nothing)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,.0f}"
+
+
 def header(model, cluster: Cluster, shape: TrainShape) -> str:
-    return (f"{model.name}: {total_params(model) / 1e9:.2f} B parameters, {model.layers} layers x {model.hidden} "
+    return (f"{model.name}: {parameter_count(total_params(model))} parameters, {model.layers} layers x {model.hidden} "
             f"hidden, {model.heads} heads" + (f" ({model.kv_heads} kv)" if model.kv_heads != model.heads else "")
             + f"\n{cluster.describe()}\nsequence {shape.seq_len}, global batch {shape.global_batch} sequences "
             f"({shape.tokens:,} tokens), {shape.precision}; {cluster.stack.attention} attention, "
