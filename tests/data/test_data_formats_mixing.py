@@ -98,3 +98,26 @@ def test_weighted_mix_follows_the_weights(tmp_path):
     load_manifest(tmp_path / "out", verify=True)
     with pytest.raises(DataError, match="every source a weight"):
         prepare([f"{a}:3", str(b)], tmp_path / "out2", vocab_size=300, seq_len=16, progress=False)
+
+
+def _split_documents(out: Path, split: str, sep: int) -> list[tuple]:
+    """The whole documents of a split, as token tuples (rows are the stream cut in order)."""
+    import numpy as np
+
+    stream = np.concatenate([np.load(p).reshape(-1) for p in sorted(out.glob(f"{split}_[0-9]*.npy"))])
+    cuts = np.flatnonzero(stream == sep)
+    return [tuple(piece.tolist()) for piece in np.split(stream, cuts + 1)[1:-1]]  # the first may have no start
+
+
+def test_a_document_read_again_stays_on_its_side_of_the_split(tmp_path):
+    """With all_exhausted the smaller source is read several times: each copy of a document
+    goes where its first went, so no held-out document is also trained on."""
+    a = _jsonl(tmp_path / "a.jsonl", _docs("apple", 400))
+    b = _jsonl(tmp_path / "b.jsonl", _docs("banana", 50))
+    m = prepare([f"{a}:0.5", f"{b}:0.5"], tmp_path / "out", vocab_size=300, seq_len=16, val_fraction=0.3,
+                stopping="all_exhausted", progress=False, workers=0)
+    assert m["source_stats"][1]["documents"] > 200  # bananas were read several times
+    train, val = (_split_documents(tmp_path / "out", s, m["special_tokens"]["sep"]) for s in ("train", "val"))
+    assert len(val) > 50 and len(set(train)) < len(train)  # the repeats are there, on one side each
+    shared = set(val) & set(train)
+    assert not shared, f"{len(shared)} of {len(set(val))} held-out documents are also in train"

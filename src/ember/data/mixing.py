@@ -14,6 +14,7 @@ without weights are read one after the other, each whole.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -100,18 +101,32 @@ def _documents(source: Source, text_field: str, limit: int) -> Iterator[str]:
 def mixed_documents(sources: list[Source], text_field: str = "text", stopping: str = "first_exhausted",
                     limit: int = MAX_DOCUMENT_BYTES) -> Iterator[tuple[int, str]]:
     """(source index, document) in mixing order; each source's `counts` are filled in."""
+    for index, doc, _ in keyed_documents(sources, text_field, stopping, limit):
+        yield index, doc
+
+
+def keyed_documents(sources: list[Source], text_field: str = "text", stopping: str = "first_exhausted",
+                    limit: int = MAX_DOCUMENT_BYTES) -> Iterator[tuple[int, str, int]]:
+    """(source index, document, key) in mixing order. The key is the document's position in
+    the stream at its first reading: a document that `all_exhausted` reads again keeps the
+    key it had, so everything decided by the key (the held-out split) treats its copies alike."""
     for source in sources:
         source.counts = new_counts()
+    position = 0
     if len(sources) == 1 or sources[0].weight is None:
         for index, source in enumerate(sources):
             for doc in _documents(source, text_field, limit):
-                yield index, doc
+                yield index, doc, position
+                position += 1
         return
     total = sum(s.weight for s in sources)
     shares = [s.weight / total for s in sources]
     streams = [_documents(s, text_field, limit) for s in sources]
     taken = [0] * len(sources)
     finished = [False] * len(sources)
+    # Only a mix that reads sources again needs their first keys: 8 bytes a document.
+    first_keys = [array("q") for _ in sources] if stopping == "all_exhausted" else None
+    reread = [0] * len(sources)  # documents of the current repeat, per source
     while True:
         # The source furthest below its share of the characters taken so far.
         index = min(range(len(sources)), key=lambda i: (taken[i] + 1) / shares[i])
@@ -121,8 +136,18 @@ def mixed_documents(sources: list[Source], text_field: str = "text", stopping: s
             if stopping == "first_exhausted" or all(finished):
                 return
             streams[index] = _documents(sources[index], text_field, limit)
+            reread[index] = 0
             doc = next(streams[index], None)
             if doc is None:  # a source with no documents at all
                 return
         taken[index] += len(doc)
-        yield index, doc
+        key = position
+        if first_keys is not None:
+            keys = first_keys[index]
+            if not finished[index]:
+                keys.append(position)
+            elif reread[index] < len(keys):  # a source that grew while it was read keeps the rest new
+                key = keys[reread[index]]
+            reread[index] += 1
+        yield index, doc, key
+        position += 1

@@ -135,20 +135,21 @@ class PassResult:
     documents_seen: int = 0
 
 
-def _batches(stream: Iterator[tuple[int, str]], size: int) -> Iterator[tuple[np.ndarray, list[str]]]:
-    sources: list[int] = []
+def _batches(stream: Iterator[tuple[int, str, int]], size: int) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """Batches of documents, with an array of (source index, key) per document."""
+    meta: list[tuple[int, int]] = []
     docs: list[str] = []
-    for source, doc in stream:
-        sources.append(source)
+    for source, doc, key in stream:
+        meta.append((source, key))
         docs.append(doc)
         if len(docs) == size:
-            yield np.array(sources, dtype=np.int64), docs
-            sources, docs = [], []
+            yield np.array(meta, dtype=np.int64), docs
+            meta, docs = [], []
     if docs:
-        yield np.array(sources, dtype=np.int64), docs
+        yield np.array(meta, dtype=np.int64), docs
 
 
-def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path, n_sources: int, *,
+def pack_pass(stream: Iterator[tuple[int, str, int]], workers: Workers, out_dir: Path, n_sources: int, *,
               seq_len: int, dtype: str, sep: int, vocab: int, val_fraction: float, seed: int,
               shard_sequences: int, progress: bool, force_val: bool, dedup: DedupConfig,
               boundaries: bool, val_mask: Callable, curriculum: str | None = None,
@@ -177,10 +178,13 @@ def pack_pass(stream: Iterator[tuple[int, str]], workers: Workers, out_dir: Path
         next_index = 0
         val_tokens = 0
     with DocumentProgress(enabled=progress) as bar:
-        for sources, result in workers.map(_batches(stream, BATCH_DOCUMENTS)):
+        for meta, result in workers.map(_batches(stream, BATCH_DOCUMENTS)):
             shards_before = sum(len(w.shards) for w in writers.values())
+            sources, firsts = meta[:, 0], meta[:, 1]
             n = len(sources)
-            is_val = val_mask(seed, np.arange(next_index, next_index + n), val_fraction)
+            # By the document's key, not its place in the stream: every copy of a document that
+            # the mix reads again goes to the same split as the first.
+            is_val = val_mask(seed, firsts, val_fraction)
             next_index += n
             out.changed.update(result.changed)
             out.dropped.update(reason for reason in result.dropped if reason is not None)

@@ -7,7 +7,9 @@ that shard is missing or damaged, removes its leftovers and starts over. A state
 with other inputs or settings is refused, naming what differs, and the folder kept.
 
 Which split a document goes to depends only on (seed, document index), through a hash,
-so the split is reproducible and needs no shuffling pass. One extra rule keeps the
+so the split is reproducible and needs no shuffling pass. The index is the document's
+place in the stream at its first reading: a document that an `all_exhausted` mix reads
+again keeps it, so its copies never land on both sides. One extra rule keeps the
 held-out split from ending up empty on a small corpus: if the hashed split gives the
 validation split no full sequence, the packing pass is redone with the first documents
 of the corpus sent to validation until it holds `seq_len` tokens. Only small corpora
@@ -34,7 +36,7 @@ from ember.atomic import TMP_SUFFIX, write_text
 from ember.data.clean import CleanConfig, transform
 from ember.data.dedup import DedupConfig
 from ember.data.errors import DataError
-from ember.data.mixing import Source, check_sources, mixed_documents, parse_source
+from ember.data.mixing import Source, check_sources, keyed_documents, mixed_documents, parse_source
 from ember.data.packing import token_dtype
 from ember.data.prep_config import shard_sequences_for
 from ember.data.resume import (STARTED, STATE_FILE, clear_state, load_state, refuse_pickled_state, save_state,
@@ -235,6 +237,9 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     def stream():
         return mixed_documents(sources, text_field, stopping, max_document_bytes)
 
+    def keyed_stream():
+        return keyed_documents(sources, text_field, stopping, max_document_bytes)
+
     # What a saved state must match to be continued. Paths are compared resolved: the same
     # file named from another directory, absolutely or through a symlink is the same input.
     # The files themselves (path, size, modification time) too: an edited input is other data.
@@ -285,7 +290,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
 
         with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
             if state is None or not state["force_val"]:
-                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=False, **options,
+                result = pack_pass(keyed_stream(), pool, out_dir, len(sources), force_val=False, **options,
                                    resume=state, save=saver(False))
             if val_fraction > 0 and (state is not None and state["force_val"]
                                      or result.splits["val"]["sequences"] == 0):
@@ -293,7 +298,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
                     clear_state(out_dir)
                     remove_leftovers(out_dir, keep={TOKENIZER_FILE})
                     state = None
-                result = pack_pass(stream(), pool, out_dir, len(sources), force_val=True, **options,
+                result = pack_pass(keyed_stream(), pool, out_dir, len(sources), force_val=True, **options,
                                    resume=state, save=saver(True))
         counts = _total_counts(sources)
         empty = [s.path for s in sources if s.counts["documents"] == 0]
