@@ -144,6 +144,7 @@ def test_damaged_or_mistyped_inputs_are_one_sentence(tmp_path, capsys):
         ([str(src), "--config", str(tmp_path / "nan.toml")], "[dedup] threshold = nan must be a finite number"),
         (["--source", f"{src}:inf", "--source", f"{src}:1"], "weights must be positive numbers"),
         (["--source", f"{src}:1e308", "--source", f"{src}:1e308"], "add up to more than a float holds"),
+        (["--source", f"{src}:abc"], "the weight 'abc' after the colon is not a number"),
         ([str(src), "--vocab-size", "2000000000"], "too large to train"),
         ([str(tmp_path)], "lies inside the input folder"),
     ]:
@@ -152,6 +153,16 @@ def test_damaged_or_mistyped_inputs_are_one_sentence(tmp_path, capsys):
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_colon_in_an_existing_path_is_part_of_the_path(tmp_path):
+    from ember.data.mixing import Source, parse_source
+
+    (tmp_path / "notes").mkdir()
+    named = tmp_path / "notes:v2.jsonl"
+    _good(named)
+    assert parse_source(str(named)) == Source(str(named))  # the whole name exists: no weight in it
+    assert parse_source(str(tmp_path / "other:abc")) == Source(str(tmp_path / "other:abc"))
 
 
 def test_a_refused_preparation_leaves_no_files(tmp_path, capsys):

@@ -17,9 +17,10 @@ import math
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ember.data.errors import DataError
-from ember.data.sources import MAX_DOCUMENT_BYTES, file_documents, input_files, new_counts
+from ember.data.sources import MAX_DOCUMENT_BYTES, file_documents, input_files, is_hf_spec, new_counts
 
 STOPPING = ("first_exhausted", "all_exhausted")
 
@@ -48,6 +49,11 @@ def parse_source(text) -> Source:
         try:
             weight = float(tail)
         except ValueError:
+            # A colon is allowed in a path, but when the part before it names a file or folder,
+            # the rest was meant as a weight: "does not exist" would point at the wrong part.
+            if not is_hf_spec(text) and not Path(text).exists() and Path(head).exists():
+                raise DataError(f"source {text}: the weight {tail!r} after the colon is not a number; "
+                                f"give a positive number, e.g. {head}:0.5.") from None
             return Source(text)
         if not 0 < weight < math.inf:
             raise DataError(f"source {text} has weight {tail}; weights must be positive numbers.")
