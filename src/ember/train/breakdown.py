@@ -16,10 +16,21 @@ of every thread and gloo's collectives (which run on gloo's own threads). Then
 
 Unions, not sums: work on two streams or threads at once counts once. This is a
 measurement of one rank; `reduce_over_ranks` averages the ranks.
+
+A thread is inside a communication call only where it is blocked in it. gloo's send and
+receive are recorded on the thread that issued them from the issue to the return of their
+`wait()`: a schedule that issues them asynchronously and waits later (PyTorch's
+interleaved and zero-bubble schedules wait for their sends at the end of the step) computes
+inside those spans. Work that starts inside such a span is the thread's, not the call's, so
+a call blocks its thread only before the first piece of work started after its issue and
+after the last one that ended before its return (`blocked`); that part is what is
+subtracted from compute and, for sends and receives, what counts as communication. (A GPU
+stream runs one kernel at a time: there nothing starts inside a kernel and nothing changes.)
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import warnings
@@ -78,6 +89,30 @@ def length(intervals: list[Interval]) -> int:
     return sum(end - start for start, end in intervals)
 
 
+def blocked(calls: list[Interval], work: list[Interval]) -> list[Interval]:
+    """The parts of communication calls in which their thread is blocked, from the calls
+    and the work (both of one thread): a call's span less the stretch from the first piece
+    of work started inside it to the end of the last one that also ended inside it, where
+    the thread went on working while the call was in flight."""
+    work = sorted(work)
+    starts = [start for start, _ in work]
+    out = []
+    for start, end in calls:
+        first = last = None
+        for i in range(bisect.bisect_right(starts, start), bisect.bisect_left(starts, end)):
+            if first is None:
+                first = work[i][0]
+            if work[i][1] <= end:
+                last = work[i][1] if last is None else max(last, work[i][1])
+        if first is None:  # nothing started inside: blocked from issue to return
+            out.append((start, end))
+            continue
+        out.append((start, first))
+        if last is not None:
+            out.append((last, end))
+    return union(out)
+
+
 def split_time(events: Iterable[tuple[str, str, int, int]]) -> dict[str, float]:
     """Seconds of compute, comm, exposed comm and bubble from (kind, thread, start_ns,
     end_ns) tuples, `kind` as `kind_of` gives it."""
@@ -86,10 +121,12 @@ def split_time(events: Iterable[tuple[str, str, int, int]]) -> dict[str, float]:
         by_thread[thread][kind].append((start, end))
     compute, collective, p2p = [], [], []
     for kinds in by_thread.values():
-        comm_here = union(kinds["collective"] + kinds["p2p"])
+        comm_here = blocked(kinds["collective"] + kinds["p2p"], kinds["compute"])
         compute += minus(union(kinds["compute"]), comm_here)  # a thread blocked in a call is not computing
+        # A collective runs on its own (gloo's threads, NCCL's stream) for as long as it is
+        # recorded; a send or receive's record only says when it was waited for.
         collective += kinds["collective"]
-        p2p += kinds["p2p"]
+        p2p += blocked(kinds["p2p"], kinds["compute"])
     compute, collective, p2p = union(compute), union(collective), union(p2p)
     exposed = minus(collective, compute)
     bubble = minus(minus(p2p, compute), collective)
