@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ember.cli import main
+from ember.config import ConfigError
 from ember.hardware import ShapeTimes, gpu_by_name
 from ember.plan.cluster import make_cluster, read_profile, write_profile
 from ember.plan.kernels import MAX_TIMED_S, priced_shapes
@@ -110,10 +111,12 @@ def test_a_malformed_matmul_table_is_one_sentence(tmp_path, capsys, times):
     assert "matmuls.times must be a list of [m, n, k, batch, seconds]" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("times", [[[4, 32, 2048, 128, 1]], [[4, 32, 2048, 128, 2, 1e-3]], [[4, 0, 2048, 128, 1, 1e-3]]])
+@pytest.mark.parametrize("times", [[[4, 32, 2048, 128, 1]], [[4, 32, 2048, 128, 2, 1e-3]],
+                                   [[4, 0, 2048, 128, 1, 1e-3]]])
 def test_a_malformed_attention_table_is_one_sentence(tmp_path, capsys, times):
     out = tmp_path / "profile.json"
-    out.write_text(json.dumps({"format": "ember-plan-profile/1", "gpu": {"name": "H100"}, "attention": {"times": times}}))
+    out.write_text(json.dumps({"format": "ember-plan-profile/1", "gpu": {"name": "H100"},
+                               "attention": {"times": times}}))
     assert main(["plan", "--profile", str(out), "--model", "gpt2-small", "--gpus", "8", "--global-batch", "64"]) == 2
     err = capsys.readouterr().err
     assert "attention.times must be a list of [batch, heads, seq, head_dim, causal, seconds]" in err
@@ -145,6 +148,21 @@ def test_calibrate_with_a_model_times_its_matmuls_and_plan_takes_them(tmp_path, 
     assert json.loads(capsys.readouterr().out)["layouts_fitting"] > 0
     assert main(["plan", "--profile", str(out), "--model", str(recipe), "--gpus", "2", "--global-batch", "8"]) == 0
     assert f"({len(expected)} matmul shapes and {len(attention)} attention shapes measured)" in capsys.readouterr().out
+
+
+def test_calibrate_takes_a_recipes_global_batch_and_a_preset_must_give_one(tmp_path):
+    from types import SimpleNamespace
+
+    from ember.plan.command import _model_plan
+
+    recipe = _tiny_recipe(tmp_path)
+    recipe.write_text(recipe.read_text() + "\n[train]\nglobal_batch = 32\n")
+    args = SimpleNamespace(model=str(recipe), set=[], gpus=None, seq_len=None, global_batch=None)
+    assert _model_plan(args)[2] == TrainShape(64, 32)
+    args.global_batch = 8  # the flag wins
+    assert _model_plan(args)[2] == TrainShape(64, 8)
+    with pytest.raises(ConfigError, match="with a preset --model, say the global batch"):
+        _model_plan(SimpleNamespace(model="gpt2-small", set=[], gpus=None, seq_len=None, global_batch=None))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -308,9 +308,13 @@ def _model_plan(args) -> tuple | None:
     from ember.plan.layout import TrainShape
     from ember.plan.models import resolve_model
 
-    model, _ = resolve_model(args.model, args.set)
+    model, recipe = resolve_model(args.model, args.set)
+    if args.global_batch is None and recipe is not None:  # the batch the recipe trains with, as `ember plan` takes
+        from ember.config import load_config
+
+        args.global_batch = load_config(recipe, args.set).train.global_batch
     if args.global_batch is None:
-        raise ConfigError("with --model, say the global batch (sequences per step) with --global-batch.")
+        raise ConfigError("with a preset --model, say the global batch (sequences per step) with --global-batch.")
     seq = args.seq_len if args.seq_len is not None else model.max_seq_len
     for flag, value in (("--gpus", args.gpus), ("--seq-len", seq), ("--global-batch", args.global_batch)):
         if value is not None and value < 1:
