@@ -15,7 +15,7 @@ from ember.plan import comm
 from ember.plan.calibrate import BUS_FACTOR, attention_efficiency, build_profile
 from ember.plan.cluster import make_cluster
 from ember.hardware import gpu_by_name
-from ember.plan.timing import flash_efficiency
+from ember.plan.flash import flash_efficiency
 
 
 def _tiny_recipe(tmp_path):

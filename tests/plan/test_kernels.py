@@ -16,7 +16,8 @@ from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS, resolve_model
 from ember.plan.predict import predict
 from ember.plan.search import search
-from ember.plan.timing import flash_s, matmul_s
+from ember.plan.flash import flash_s
+from ember.plan.timing import matmul_s
 
 
 def _tiny_recipe(tmp_path):

@@ -283,11 +283,11 @@ def build_profile(known, device: dict, dtype_name: str, matmuls: list[dict], cop
 
 
 def attention_efficiency(attention: dict, gpu) -> float:
-    """The `attn_eff` under which the planner's flash-attention rate (plan/timing.py scales it
+    """The `attn_eff` under which the planner's flash-attention rate (plan/flash.py scales it
     by sequence and head size) equals the measured one at the measured shape."""
     from dataclasses import replace
 
-    from ember.plan.timing import flash_efficiency
+    from ember.plan.flash import flash_efficiency
 
     shape_factor = flash_efficiency(attention["seq"], attention["head_dim"], replace(gpu, attn_eff=1.0))
     return round(attention["tflops"] * 1e12 / gpu.peak_bf16_flops / shape_factor, 4)

@@ -36,7 +36,8 @@ from ember.config import ConfigError
 from ember.hardware import ShapeTimes
 from ember.plan.layout import TrainShape
 from ember.plan.search import rank, runnable, search
-from ember.plan.timing import flash_s, matmul_s
+from ember.plan.flash import flash_s
+from ember.plan.timing import matmul_s
 
 
 # Matmuls the model prices above this are left to it: with many waves of tiles and a long K

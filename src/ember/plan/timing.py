@@ -27,13 +27,7 @@ maximum, (t_compute³ + t_memory³)^(1/3). One too skinny for the tiles (a matri
 product) may instead run untiled on the CUDA cores at 1/16 of the tensor-core peak; the
 faster of the two is taken.
 
-Attention. FlashAttention's rate is `attn_eff` at head size 128 on long sequences, lower
-for short ones (its 128-row blocks and per-block softmax rescaling are amortised over the
-sequence: s/(s + 512)) and for small heads (d/(d + 24), normalised at d = 128): 0.5 of
-the long-sequence rate at s = 512, 0.8 at 2k, 0.94 at 8k, and 0.86 at d = 64, roughly the
-shape of the FlashAttention-2 paper's A100 curves. Causal attention computes half the
-s x s square. The backward pass does
-2.5x the forward FLOPs (it recomputes the scores). The unfused path (before FlashAttention)
+Attention. Fused (flash) attention is priced in plan/flash.py. The unfused path (before FlashAttention)
 runs Q·Kᵀ and P·V as batched GEMMs and moves the s x s scores through HBM for the softmax
 and its dropout. Megatron-LM's fused scale-mask-softmax kernel reads and writes the 2-byte
 scores once; it exists only for some shapes (`fused_softmax`), and elsewhere Megatron falls
@@ -74,6 +68,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ember.plan import comm, overlap
+from ember.plan.flash import FLASH_BACKWARD, flash_s
 from ember.plan.eager import eager_elementwise
 from ember.cost import gated, kv_hidden, layer_matmuls
 
@@ -82,10 +77,7 @@ SIMT_RATIO = 16  # bf16 tensor-core peak over fp32 CUDA-core FMA peak: A100 312/
 K_OVERHEAD = 64  # K steps of a tile's prologue and epilogue on an A100
 A100_FLOPS_PER_BYTE = 312e12 / 2039e9  # bf16 peak over HBM bandwidth, where K_OVERHEAD was read
 WAVE_TAIL = 0.5
-ATTN_SEQ = 512
-ATTN_HEAD = 24
 BACKWARD_BYTES = 1.5
-FLASH_BACKWARD = 2.5
 KERNEL_S = 3e-6
 BACKWARD_KERNELS = 2
 LOSS_FWD_BYTES = 38
@@ -127,11 +119,6 @@ def matmul_s(m: float, n: float, k: float, gpu, batch: int = 1, fp8: bool = Fals
 
 def memory_s(nbytes: float, gpu) -> float:
     return nbytes / (gpu.hbm_gbps * 1e9 * gpu.hbm_eff)
-
-
-def flash_efficiency(seq: int, head_dim: int, gpu) -> float:
-    head = (head_dim / (head_dim + ATTN_HEAD)) / (128 / (128 + ATTN_HEAD))
-    return min(1.0, gpu.attn_eff * seq / (seq + ATTN_SEQ) * head)  # never above the tensor-core peak
 
 
 @dataclass(frozen=True)
@@ -181,18 +168,6 @@ def fused_softmax(model, b: int, s: int, t: int) -> bool:
     width = 1 << (s - 1).bit_length()  # the kernel's per-row width: the next power of two
     per_block = (128 // min(width, 32)) * (2 if width <= 128 else 1)
     return (batches if model.causal else s) % per_block == 0
-
-
-def flash_s(b: int, heads: int, s: int, d: int, causal: bool, gpu) -> float:
-    """Seconds of one fused attention's forward and backward over `b` sequences of `s`
-    tokens, `heads` heads of size `d`: measured for this shape if the profile has it
-    (`ember plan calibrate --model`), else the FLOPs at the shape's flash efficiency."""
-    if gpu.attention_times is not None:
-        measured = gpu.attention_times.get(b, heads, s, d, int(causal))
-        if measured is not None:
-            return measured
-    flops = 4.0 * b * heads * s * s * d * (0.5 if causal else 1.0)
-    return (1 + FLASH_BACKWARD) * flops / (gpu.peak_bf16_flops * flash_efficiency(s, d, gpu))
 
 
 def _attention_core(model, b: int, s: int, t: int, gpu, attention: str, width: int = 1) -> tuple[Work, Work]:
