@@ -121,12 +121,13 @@ def split_time(events: Iterable[tuple[str, str, int, int]]) -> dict[str, float]:
         by_thread[thread][kind].append((start, end))
     compute, collective, p2p = [], [], []
     for kinds in by_thread.values():
-        comm_here = blocked(kinds["collective"] + kinds["p2p"], kinds["compute"])
+        waits = blocked(kinds["p2p"], kinds["compute"])
+        comm_here = union(blocked(kinds["collective"], kinds["compute"]) + waits)
         compute += minus(union(kinds["compute"]), comm_here)  # a thread blocked in a call is not computing
         # A collective runs on its own (gloo's threads, NCCL's stream) for as long as it is
         # recorded; a send or receive's record only says when it was waited for.
         collective += kinds["collective"]
-        p2p += blocked(kinds["p2p"], kinds["compute"])
+        p2p += waits
     compute, collective, p2p = union(compute), union(collective), union(p2p)
     exposed = minus(collective, compute)
     bubble = minus(minus(p2p, compute), collective)
