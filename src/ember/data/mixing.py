@@ -14,7 +14,6 @@ without weights are read one after the other, each whole.
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +113,10 @@ def mixed_documents(sources: list[Source], text_field: str = "text", stopping: s
 def keyed_documents(sources: list[Source], text_field: str = "text", stopping: str = "first_exhausted",
                     limit: int = MAX_DOCUMENT_BYTES) -> Iterator[tuple[int, str, int]]:
     """(source index, document, key) in mixing order. The key is the document's position in
-    the stream at its first reading: a document that `all_exhausted` reads again keeps the
-    key it had, so everything decided by the key (the held-out split) treats its copies alike."""
+    the stream, except in a mix that reads sources again (`all_exhausted`): there it is the
+    document's place within its source (times the number of sources, plus the source's
+    index), the same at every reading, so everything decided by the key (the held-out split)
+    treats its copies alike, and nothing is kept per document to know it."""
     for source in sources:
         source.counts = new_counts()
     position = 0
@@ -130,9 +131,7 @@ def keyed_documents(sources: list[Source], text_field: str = "text", stopping: s
     streams = [_documents(s, text_field, limit) for s in sources]
     taken = [0] * len(sources)
     finished = [False] * len(sources)
-    # Only a mix that reads sources again needs their first keys: 8 bytes a document.
-    first_keys = [array("q") for _ in sources] if stopping == "all_exhausted" else None
-    reread = [0] * len(sources)  # documents of the current repeat, per source
+    within = [0] * len(sources)  # the next document's place in its source, this reading
     while True:
         # The source furthest below its share of the characters taken so far.
         index = min(range(len(sources)), key=lambda i: (taken[i] + 1) / shares[i])
@@ -142,18 +141,12 @@ def keyed_documents(sources: list[Source], text_field: str = "text", stopping: s
             if stopping == "first_exhausted" or all(finished):
                 return
             streams[index] = _documents(sources[index], text_field, limit)
-            reread[index] = 0
+            within[index] = 0
             doc = next(streams[index], None)
             if doc is None:  # a source with no documents at all
                 return
         taken[index] += len(doc)
-        key = position
-        if first_keys is not None:
-            keys = first_keys[index]
-            if not finished[index]:
-                keys.append(position)
-            elif reread[index] < len(keys):  # a source that grew while it was read keeps the rest new
-                key = keys[reread[index]]
-            reread[index] += 1
+        key = within[index] * len(sources) + index if stopping == "all_exhausted" else position
+        within[index] += 1
         yield index, doc, key
         position += 1

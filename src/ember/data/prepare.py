@@ -8,8 +8,9 @@ with other inputs or settings is refused, naming what differs, and the folder ke
 
 Which split a document goes to depends only on (seed, document index), through a hash,
 so the split is reproducible and needs no shuffling pass. The index is the document's
-place in the stream at its first reading: a document that an `all_exhausted` mix reads
-again keeps it, so its copies never land on both sides. One extra rule keeps the
+place in the stream, or in an `all_exhausted` mix, which reads sources again, its place
+within its source (mixing.keyed_documents): the same at every reading, so its copies never
+land on both sides. One extra rule keeps the
 held-out split from ending up empty on a small corpus: if the hashed split gives the
 validation split no full sequence, the packing pass is redone with the first documents
 of the corpus sent to validation until it holds `seq_len` tokens. Only small corpora
