@@ -65,6 +65,12 @@ def _measure_host_blocks(device, iters: int) -> dict:
     return {"tp": split_block_host(device, iters), "sharded": sharded_block_host(device, iters)}
 
 
+def _model_block_step(model, micro_batch: int, seq: int, device, dtype):
+    from ember.tune.host_cost import model_block_step
+
+    return model_block_step(model, micro_batch, seq, device, dtype)
+
+
 def _cmd_report(args) -> int:
     from ember.report import plot, summary_text
 
@@ -102,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench(verbs)
     register_eval(verbs)
     register_export(verbs)
-    register_plan(verbs, measure_host_blocks=_measure_host_blocks)
+    register_plan(verbs, measure_host_blocks=_measure_host_blocks, block_step=_model_block_step)
     register_tune(verbs)
 
     report = verbs.add_parser("report", help="plots and a summary of a run")

@@ -148,7 +148,7 @@ def test_calibrate_with_a_model_times_its_matmuls_and_plan_takes_them(tmp_path, 
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layouts_fitting"] > 0
     assert main(["plan", "--profile", str(out), "--model", str(recipe), "--gpus", "2", "--global-batch", "8"]) == 0
-    assert f"({len(expected)} matmul shapes and {len(attention)} attention shapes measured)" in capsys.readouterr().out
+    assert f"({len(expected)} matmul shapes and {len(attention)} attention shapes measured;" in capsys.readouterr().out
 
 
 def test_calibrate_takes_a_recipes_global_batch_and_a_preset_must_give_one(tmp_path):

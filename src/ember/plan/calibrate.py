@@ -22,6 +22,8 @@ What it measures:
   sharded with FSDP2 as ZeRO-1/2 and ZeRO-3 run it, add beyond their collectives
   (tune/host_cost.py), into the stack's `tp_host_s_per_layer`, `shard_host_s_per_layer` and
   `reshard_host_s_per_layer`.
+- with `--model`: the model's matmul and attention shapes, and what one of its blocks spends
+  outside them, as the stack's `eager_elementwise_scale` (plan/kernels.py).
 
 Run alone it measures one process and leaves the links at the device's defaults.
 """
@@ -322,7 +324,7 @@ def _collective_sections(device: torch.device, quick: bool, world: int, local_wo
 
 
 def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_host_blocks=None,
-              model_plan: tuple | None = None) -> dict | None:
+              model_plan: tuple | None = None, block_step=None) -> dict | None:
     """Measure, and on rank 0 write the profile to `out`; returns the profile on rank 0.
     `measure_host_blocks(device, iters)`: the host cost of a tensor-parallel and of a sharded
     block (ember.tune.host_cost, which `ember plan calibrate` passes in), HOST_FIGURES.
@@ -375,7 +377,7 @@ def calibrate(out: Path, dtype: str | None = None, quick: bool = False, measure_
             from ember.plan.kernels import add_model_kernels
 
             add_model_kernels(out, profile, model_plan, per_node, device, torch_dtype,
-                              lambda fn: _slowest(_timed(fn, device, quick_min / 10), device))
+                              lambda fn: _slowest(_timed(fn, device, quick_min / 10), device), block_step)
         return profile
     finally:
         if started:

@@ -20,7 +20,8 @@ part of a profile: one profile describes every size of the same cluster. `ember 
 calibrate` (plan/calibrate.py) adds a "measured" section with the raw measurements (matmul
 rates by shape, bus bandwidth by message size), which the planner does not read; with
 `--model` it adds "matmuls" and "attention", the measured seconds of that model's matmul
-and attention shapes (plan/kernels.py), which it does.
+and attention shapes, and the stack's `eager_elementwise_scale` from one of its blocks
+(plan/kernels.py), which it does.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Stack:
     # Whether the host issues work while the device computes (a GPU), or shares its cores
     # with the compute so that their times add (a CPU; a calibrated CPU profile says so).
     host_overlaps: bool = True
+    # What an uncompiled ember block's work outside matmuls and attention takes over its
+    # elementwise price, measured by `ember plan calibrate --model` (plan/kernels.py).
+    eager_elementwise_scale: float = 1.0
     # Share of the GPU table's matmul and attention rates this stack's kernels reach
     # (1.0 for ember, whose rates `ember plan calibrate` measures; fitted for the others).
     kernel_eff: float = 1.0
@@ -172,8 +176,8 @@ class Stack:
     @property
     def eager_blocks(self) -> bool:
         """Whether the blocks run eager PyTorch's composites: a stack without fused kernels,
-        or ember's trainer uncompiled on a CPU (whose calibrated rates already hold their
-        time, so only memory adds what they keep)."""
+        or ember's trainer uncompiled on a CPU (whose time the calibration's measured
+        `eager_elementwise_scale` holds, so only memory adds what they keep)."""
         return not self.fused_elementwise or (self.name == "ember" and not (self.compiled or self.host_overlaps))
 
     def refusal(self, layout) -> str | None:
@@ -188,6 +192,11 @@ class Stack:
             return (f"--stack {self.name}'s pipeline engine refuses ZeRO-2 and 3 beside pipeline stages; "
                     "give zero=0 or 1 with pp > 1")
         return None
+
+    @property
+    def elementwise_scale(self) -> float:
+        """The blocks' elementwise work over its price: measured where ember runs them uncompiled."""
+        return self.eager_elementwise_scale if self.name == "ember" and not self.compiled else 1.0
 
     def recompute_policy(self, recompute: str) -> str:
         """The cost model's name for `recompute` under this stack."""
@@ -250,7 +259,7 @@ def _known_gpu(name: str) -> GPU:
 POSITIVE = {"gpu": ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_gbps", "inter_gbps", "matmul_eff",
                     "attn_eff", "hbm_eff"),
             "links": ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff", "inter_eff"),
-            "stack": ("kernel_eff", "attention_eff")}
+            "stack": ("kernel_eff", "attention_eff", "eager_elementwise_scale")}
 
 
 def _fields(cls, values, path: Path, section: str) -> dict:

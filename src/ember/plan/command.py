@@ -20,10 +20,11 @@ EPILOG = """examples:
   ember plan calibrate --out profile.json --model llama3-8b --seq-len 8192 --global-batch 512   # and its matmuls"""
 
 
-def register_plan(verbs, measure_host_blocks=None) -> None:
+def register_plan(verbs, measure_host_blocks=None, block_step=None) -> None:
     """`measure_host_blocks(device, iters) -> dict`: what eager tensor parallelism and FSDP2
-    cost the host per block (ember.tune.host_cost), given by the caller: measuring ember's own block is
-    above this package, which prices layouts from numbers alone."""
+    cost the host per block; `block_step(model, micro_batch, seq, device, dtype)`: one of the
+    model's blocks to time (both ember.tune.host_cost), given by the caller: measuring
+    ember's own block is above this package, which prices layouts from numbers alone."""
     plan = verbs.add_parser("plan", help="predict memory and step time of parallel layouts and rank them",
                             epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--model", help="a recipe .toml or a preset (gpt3-175b, llama3-8b, ...)")
@@ -74,7 +75,7 @@ def register_plan(verbs, measure_host_blocks=None) -> None:
     calibrate.add_argument("--global-batch", type=int, help="with --model: sequences per optimizer step")
     calibrate.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                            help="with --model: override a recipe value, or a preset's shape (model.vocab_size=32000)")
-    calibrate.set_defaults(func=run_calibrate, measure_host_blocks=measure_host_blocks)
+    calibrate.set_defaults(func=run_calibrate, measure_host_blocks=measure_host_blocks, block_step=block_step)
 
 
 def _stack(args, base):
@@ -330,7 +331,8 @@ def run_calibrate(args) -> int:
 
     out = Path(args.out)
     check_profile_out(out, "--out")
-    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_host_blocks", None), _model_plan(args))
+    profile = calibrate(out, args.dtype, args.quick, getattr(args, "measure_host_blocks", None), _model_plan(args),
+                        getattr(args, "block_step", None))
     if profile is not None:  # rank 0
         print("\n".join(summary_lines(profile)) + f"\nwrote {out}")
     return 0
@@ -363,6 +365,12 @@ def summary_lines(profile: dict) -> list[str]:
                      for kind, rows in m[where].items()]
             lines.append(f"{where}-node busbw (GB/s, best over sizes): " + ", ".join(parts)
                          + f"; small-message latency {m[where]['all_reduce'][0]['time_s'] * 1e6:,.0f} us")
+    block = profile["measured"].get("block")
+    if block:
+        scale = (f"{block['scale']:.2f}x the modelled elementwise time (eager_elementwise_scale)"
+                 if block["scale"] is not None else "no more than its modelled launches, so it stays modelled")
+        lines.append(f"one block of {block['model']} (micro-batch {block['micro_batch']}) spends "
+                     f"{block['rest_s'] * 1e3:,.2f} ms a forward+backward outside its matmuls and attention: {scale}")
     host = {key: value for key, value in profile.get("stack", {}).items() if key.endswith("host_s_per_layer")}
     if host:
         lines.append("host time per block pass beyond its collectives: "

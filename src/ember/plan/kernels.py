@@ -8,8 +8,7 @@ set by one measured shape. Libraries choose a kernel per shape, and how far a gi
 lands from the smooth curve on a given device and library version is not something a
 formula can know (on a CPU, attention over short sequences runs at twice the rate the
 curve gives it). Timing the exact shapes a model's layouts run takes that part of the error
-out for that model on that machine; the rest of the step (elementwise work, communication,
-the host) is still modelled.
+out for that model on that machine; communication and the host's calls are still modelled.
 
 So a calibration given a model asks the planner which matmuls and attention it prices for
 that model's layouts that fit (every (m, n, k, batch) and every (batch, heads, sequence,
@@ -20,6 +19,20 @@ the calibration's dtype (bf16 on GPUs that have it); FP8 matmuls are always mode
 matmul is timed as a plain (m x k) @ (k x n) product, while a backward pass multiplies
 transposed operands, which libraries run as other kernels at similar rates; each attention
 as PyTorch's SDPA forward and backward, split between the passes as the model splits it.
+
+The rest of a block (norms, activations, rotary embedding, residual adds, casts, and on a
+CPU each operator's dispatch and the autograd engine) the planner prices by the bytes its
+fused kernels would move at the copy rate. Eager PyTorch runs it as many operators, some
+through fp32 intermediates, and on a CPU at one thread bound by arithmetic and per-operator
+overhead rather than by bandwidth: 3-4 times that price on the 2-core CPU this project is
+developed on (benchmarks/cpu_step_parts.py). So the calibration also runs one of ember's
+blocks of the model (the trainer's code, uncompiled) forward and backward at the best
+layout's micro-batch under the PyTorch profiler, sums the time of every operator that is
+not a matmul or attention, and stores its ratio to the planner's price of the block's
+elementwise work (less the launches it prices apart where the host shares the cores) as the
+stack's `eager_elementwise_scale`. The planner scales the blocks' elementwise work by it
+where ember runs them uncompiled (Stack.elementwise_scale); a compiled block fuses that work
+into kernels the calibration did not run, and other stacks run their own kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from ember.hardware import ShapeTimes
 from ember.plan.layout import TrainShape
 from ember.plan.search import rank, runnable, search
 from ember.plan.flash import flash_s
+from ember.plan.predict import one_block
 from ember.plan.timing import matmul_s
 
 
@@ -82,6 +96,48 @@ class _Recorder(ShapeTimes):
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
+
+
+def block_micro_batch(model, cluster, shape: TrainShape) -> int:
+    """The micro-batch one block is timed at: the best layout's, so its tensors are the size
+    training runs."""
+    result = search(model, cluster, shape)
+    return (result.ranked or result.too_big)[0].layout.micro_batch
+
+
+def block_rest_s(step, device: torch.device, passes: int = 5) -> float:
+    """Seconds per call of `step` (a block's forward and backward) spent outside its matmuls
+    and attention: the PyTorch profiler's self time of every other operator, on the device's
+    clock for a GPU (its kernels), on the host's for a CPU (where an operator's time includes
+    the dispatcher's). Measured directly rather than as the block less its timed matmuls: on
+    a small model the rest is a tenth of the block, less than the timings' noise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(passes):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rest = sum(getattr(event, field) for event in prof.key_averages()
+               if event.key not in MATMUL_OPS and "scaled_dot_product" not in event.key)
+    return rest / 1e6 / passes
+
+
+# The operators a block's matmuls run as (linear and matmul dispatch to these).
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def elementwise_scale(rest_s: float, priced, host_shares_cores: bool) -> float | None:
+    """The measured rest of a block over the planner's price of its elementwise work, less
+    what the planner prices apart: its launches where the host's time adds to the device's
+    (a CPU, whose operator times include their dispatch). None when nothing is left (noise),
+    which keeps the planner's price."""
+    rest = rest_s - (priced.launch if host_shares_cores else 0.0)
+    return rest / priced.elementwise if rest > 0 and priced.elementwise > 0 else None
 
 
 def time_matmuls(shapes, device: torch.device, dtype: torch.dtype, timer) -> list[list]:
@@ -144,10 +200,13 @@ def check_model_plan(model_plan: tuple, per_node: int) -> None:
 
 
 def add_model_kernels(out: Path, profile: dict | None, model_plan: tuple, per_node: int, device: torch.device,
-                      dtype: torch.dtype, timer) -> None:
+                      dtype: torch.dtype, timer, block_step=None) -> None:
     """The calibration's last step: every rank times the shapes at once (`timer` keeps the
     slowest rank's time); rank 0 (`profile` given) adds them to the profile it wrote to
-    `out` and writes it again. `model_plan`: (model, GPUs or None for this node, shape)."""
+    `out` and writes it again. `model_plan`: (model, GPUs or None for this node, shape).
+    `block_step(model, micro_batch, seq, device, dtype)`: a call that runs one of ember's
+    blocks of the model forward and backward (ember.tune.host_cost), to measure the stack's
+    `eager_elementwise_scale`; without it the blocks' elementwise work stays modelled."""
     from ember.plan.cluster import make_cluster
 
     if dist.is_initialized():
@@ -157,9 +216,38 @@ def add_model_kernels(out: Path, profile: dict | None, model_plan: tuple, per_no
     matmuls, attention = priced_shapes(model, cluster, shape)
     rows = time_matmuls(matmuls, device, dtype, timer)
     attention_rows = time_attention(attention, device, dtype, timer)
+    block = None
+    if block_step is not None:
+        micro_batch = block_micro_batch(model, cluster, shape)
+        try:
+            step = block_step(model, micro_batch, shape.seq_len, device, dtype)
+            block = (micro_batch, block_rest_s(step, device)) if step is not None else None
+        except torch.OutOfMemoryError:
+            pass
+        step = None
     if profile is not None:
         about = {"model": model.name, "gpus": cluster.n_gpus, "seq_len": shape.seq_len,
                  "global_batch": shape.global_batch, "dtype": profile["measured"]["dtype"]}
         profile["matmuls"] = {**about, "times": rows}
         profile["attention"] = {**about, "times": attention_rows}
         write_text(out, json.dumps(profile, indent=2) + "\n")
+        if block is not None:
+            _add_block(out, profile, model, gpus or per_node, shape, *block)
+
+
+def _add_block(out: Path, profile: dict, model, gpus: int, shape: TrainShape, micro_batch: int,
+               rest_s: float) -> None:
+    """The block's measured rest beside its price: the stack's `eager_elementwise_scale`, and
+    the figures it came from under `measured.block`."""
+    from ember.plan.cluster import make_cluster
+
+    cluster = make_cluster(None, gpus, profile=out)
+    shape = replace(shape, precision=profile["measured"]["dtype"])  # the precision the block ran in
+    priced = one_block(model, cluster, shape, micro_batch)
+    scale = elementwise_scale(rest_s, priced, not cluster.stack.host_overlaps)
+    profile["measured"]["block"] = {"model": model.name, "micro_batch": micro_batch, "seq_len": shape.seq_len,
+                                    "rest_s": rest_s, "elementwise_s": priced.elementwise,
+                                    "launch_s": priced.launch, "scale": scale}
+    if scale is not None:
+        profile.setdefault("stack", {})["eager_elementwise_scale"] = round(scale, 4)
+    write_text(out, json.dumps(profile, indent=2) + "\n")

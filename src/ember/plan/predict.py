@@ -49,6 +49,7 @@ from ember.plan.schedule import idle_share, lockstep_s, pipeline_s
 from ember.plan.timing import (
     BACKWARD_KERNELS,
     FP8_CAST_BYTES,
+    LayerTimes,
     Work,
     embed_times,
     fused_softmax,
@@ -106,9 +107,7 @@ def _stage_work(model, cluster: Cluster, shape: TrainShape, lo: Layout, stage: i
     far the slower pass sits above the larger of its host and GPU time (`_as_run`)."""
     stack, width = cluster.stack, element_width(shape)
     fp8 = shape.precision == "fp8"
-    layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         stack.recompute_policy(lo.recompute), stack.attention, width, fp8, stack.overlap_tp_comm,
-                         lo.cp, stack.fused_elementwise)
+    layers = _layers(model, cluster, shape, lo)
     local_seq = shape.seq_len // lo.cp  # the tokens of each sequence this rank holds
     n = lo.rank_layers(model)[stage]
     embedding, output = holds(lo, stage)
@@ -370,9 +369,26 @@ def _reduction_units(model, lo: Layout, stage: int, params: float, grads: float,
     return max(1, math.ceil(params / max(40e6, 1e6 * shard.size)))
 
 
-def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
+def _layers(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> LayerTimes:
+    """One block's passes under `lo`, its elementwise work at the stack's measured scale."""
+    stack = cluster.stack
     layers = layer_times(model, cluster.gpu, cluster.links, shape.seq_len, lo.micro_batch, lo.tp, lo.sp,
-                         cluster.stack.recompute_policy(lo.recompute), cluster.stack.attention, element_width(shape),
-                         shape.precision == "fp8", cluster.stack.overlap_tp_comm, lo.cp,
-                         cluster.stack.fused_elementwise)
+                         stack.recompute_policy(lo.recompute), stack.attention, element_width(shape),
+                         shape.precision == "fp8", stack.overlap_tp_comm, lo.cp, stack.fused_elementwise)
+    return layers.scaled_elementwise(stack.elementwise_scale)
+
+
+def one_block(model, cluster: Cluster, shape: TrainShape, micro_batch: int) -> Work:
+    """One block's forward and backward on one GPU (no tensor parallelism, no
+    recomputation) as the host runs them, its elementwise work unscaled: the price
+    `ember plan calibrate --model` sets beside the same block timed (plan/kernels.py)."""
+    stack = replace(cluster.stack, eager_elementwise_scale=1.0)
+    layers = _layers(model, replace(cluster, stack=stack), shape, Layout(micro_batch=micro_batch))
+    kernels = layer_kernel_count(model, stack.attention, fused_softmax(model, micro_batch, shape.seq_len, 1),
+                                 False, stack.fused_elementwise)
+    return _as_run(layers.forward, kernels, stack)[0] + _as_run(layers.backward, kernels * BACKWARD_KERNELS, stack)[0]
+
+
+def _recompute_s(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> float:
+    layers = _layers(model, cluster, shape, lo)
     return layers.recompute.compute * max(lo.rank_layers(model)) * lo.recomputed_fraction(model.layers)

@@ -78,13 +78,17 @@ def header(model, cluster: Cluster, shape: TrainShape) -> str:
             + f"\n{cluster.describe()}\nsequence {shape.seq_len}, global batch {shape.global_batch} sequences "
             f"({shape.tokens:,} tokens), {shape.precision}; {cluster.stack.attention} attention, "
             f"{cluster.stack.grad_dtype} gradients; profile: {cluster.source}"
-            + _measured(cluster.gpu))
+            + _measured(cluster))
 
 
-def _measured(gpu) -> str:
+def _measured(cluster: Cluster) -> str:
+    gpu = cluster.gpu
     counts = [f"{len(table)} {kind} shapes" for kind, table in (("matmul", gpu.matmul_times),
                                                                   ("attention", gpu.attention_times)) if table]
-    return f" ({' and '.join(counts)} measured)" if counts else ""
+    notes = [f"{' and '.join(counts)} measured"] if counts else []
+    if cluster.stack.elementwise_scale != 1.0:
+        notes.append(f"the blocks' elementwise work at {cluster.stack.elementwise_scale:.2f}x its model, as measured")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def table(predictions: list[Prediction]) -> Table:

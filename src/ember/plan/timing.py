@@ -64,7 +64,7 @@ ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ember.plan import comm, overlap
@@ -154,6 +154,12 @@ class LayerTimes:
     forward: Work
     backward: Work
     recompute: Work  # what checkpointing reruns before the backward pass
+
+    def scaled_elementwise(self, k: float) -> "LayerTimes":
+        if k == 1.0:
+            return self
+        return LayerTimes(*(replace(w, elementwise=w.elementwise * k) for w in (self.forward, self.backward,
+                                                                               self.recompute)))
 
 
 def fused_softmax(model, b: int, s: int, t: int) -> bool:

@@ -158,3 +158,30 @@ def sharded_block_host(device: torch.device, iters: int) -> dict:
                 f"{name}_collectives_s": collectives_s,
                 f"{name}_host_s_per_layer": max(0.0, sharded_s - plain_s - collectives_s)}
     return out
+
+
+def model_block_step(spec, micro_batch: int, seq: int, device: torch.device, dtype: torch.dtype):
+    """A call that runs one of ember's blocks of the planner's model `spec` (plan/models.py)
+    forward and backward on `micro_batch` sequences of `seq` tokens, as the trainer runs an
+    uncompiled block: fp32 weights, autocast below fp32, gradients returned rather than
+    accumulated (a fresh micro-batch's). None where ember's model has no such block (a
+    preset with ALiBi positions). `ember plan calibrate --model` times it (plan/kernels.py)."""
+    from ember.config import ModelConfig
+    from ember.model.layers import Block
+    from ember.plan.models import MODEL_KEYS
+
+    if spec.positions not in ("learned", "sinusoidal", "rotary"):
+        return None
+    shape = {key: getattr(spec, key) for key in MODEL_KEYS} | {"layers": 1, "max_seq_len": max(seq, spec.max_seq_len)}
+    block = Block(ModelConfig(**shape, dropout=0.1 if spec.dropout else 0.0)).to(device)
+    x = torch.randn(micro_batch, seq, spec.hidden, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    inputs = [x, *block.parameters()]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step():
+        with autocast:
+            out = block(x)
+        torch.autograd.grad(out, inputs, grad)
+
+    return step
