@@ -144,3 +144,31 @@ def test_a_damaged_checkpoint_is_named_without_resume_advice(dataset, tmp_path_f
         assert f"{folder / shard.name} is missing or does not match its checksum" in err, err
         assert "--resume" not in err and "rename" not in err and ".damaged.damaged" not in err, err
         assert err.count("\n") == 1 and not list(run.glob("eval/*.json"))
+
+
+def test_a_checkpoint_further_on_than_the_model_file_is_the_one_scored(dataset, tmp_path_factory, tmp_path):
+    """A finished run resumed to train on and stopped again keeps its earlier model file;
+    its newest checkpoint holds the weights it reached, and evaluation scores those."""
+    import torch
+    from safetensors.torch import load_model, save_model
+
+    from ember.config import load_config
+    from ember.model import Transformer
+    from ember.train.checkpoint import save
+    from ember.train.model_file import model_step
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run("causal", dataset, tmp_path_factory), run)
+    assert model_step(run / "model.safetensors") == 20
+    final = evaluate_lm(run, dataset, batches=1)
+    model = Transformer(load_config(run / "config.toml").model)
+    load_model(model, str(run / "model.safetensors"))
+    torch.nn.init.zeros_(model.head.weight)
+    save(run, 27, [model], [torch.optim.AdamW(model.parameters())], {"progress": {"step": 27}})
+    further = evaluate_lm(run, dataset, batches=1)
+    assert further["weights"].endswith("step_00000027") and further["loss"] != pytest.approx(final["loss"], rel=1e-3)
+    # A model file from before the step was recorded: the newer of the two by time.
+    load_model(model, str(run / "model.safetensors"))
+    save_model(model, str(run / "model.safetensors"))  # rewritten after the checkpoint, without a step
+    assert model_step(run / "model.safetensors") is None
+    assert evaluate_lm(run, dataset, batches=1)["weights"].endswith("model.safetensors")

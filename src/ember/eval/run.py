@@ -19,8 +19,8 @@ from ember.config import Config, ConfigError, load_config
 from ember.data import load_tokenizer, special_token_ids
 from ember.data.manifest import tokenizer_sha256
 from ember.model import Transformer
-from ember.train.checkpoint import is_checkpoint, latest
-from ember.train.model_file import load_model
+from ember.train.checkpoint import is_checkpoint, latest, step_of
+from ember.train.model_file import load_model, model_step
 
 
 @dataclass
@@ -51,9 +51,9 @@ class Run:
 def _locate(path: Path) -> tuple[Path, Path]:
     """(run directory, weights file) for a run directory or one of its checkpoint folders."""
     if (path / "config.toml").is_file():
-        if (path / "model.safetensors").is_file():
-            return path, path / "model.safetensors"
         newest = latest(path)
+        if (path / "model.safetensors").is_file() and not _overtaken(path / "model.safetensors", newest):
+            return path, path / "model.safetensors"
         if newest is None:
             raise ConfigError(f"{path} holds no model.safetensors and no complete checkpoint yet; "
                               "let the run save a checkpoint first.")
@@ -63,6 +63,18 @@ def _locate(path: Path) -> tuple[Path, Path]:
         return run_dir, _weights_in(path)
     raise ConfigError(f"{path} is not an ember run directory (no config.toml); "
                       "pass the --out folder of `ember train` or one of its checkpoints/step_* folders.")
+
+
+def _overtaken(model_file: Path, newest: Path | None) -> bool:
+    """Whether a checkpoint is further on than the run's model file: a run resumed after it
+    finished, to train on, and stopped before it finished again. The file's recorded step
+    says; one written before ember recorded it is compared by modification time."""
+    if newest is None:
+        return False
+    step = model_step(model_file)
+    if step is not None:
+        return step_of(newest) > step
+    return (newest / "state.json").stat().st_mtime > model_file.stat().st_mtime
 
 
 def result_path(run_dir: Path, weights: Path, folder: str, stem: str) -> Path:

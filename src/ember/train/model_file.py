@@ -28,9 +28,10 @@ from ember.train import checkpoint
 from ember.train.checkpoint import barrier, rank, world
 
 
-def save_model(parts: list[nn.Module], path: Path) -> None:
+def save_model(parts: list[nn.Module], path: Path, step: int | None = None) -> None:
     """Write the model held by `parts` (on this rank; shards and stages on the others) as
-    one safetensors file at `path`, written by rank 0; every rank calls it.
+    one safetensors file at `path`, written by rank 0; every rank calls it. `step`, the
+    optimizer step the weights are from, goes into the file's metadata (`model_step`).
 
     Tensors travel one at a time: each is gathered whole from its shards by the ranks that
     hold it, the lowest of them sends it to rank 0, and the others drop it at once. Rank 0
@@ -75,7 +76,7 @@ def save_model(parts: list[nn.Module], path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
-        writer = _Writer(handle, [entry for source in [0, *sources] for entry in listings[source]])
+        writer = _Writer(handle, [entry for source in [0, *sources] for entry in listings[source]], step)
         for name in names:
             writer.add(name, full_tensor(local[name]).detach())
         for source in sources:
@@ -99,8 +100,8 @@ class _Writer:
     equals the embedding (tied weights, sent by two stages) it is stored once and named in
     the metadata, as safetensors' own save_model does, so that its load_model re-ties them."""
 
-    def __init__(self, handle, listing: list[tuple]):
-        self.handle = handle
+    def __init__(self, handle, listing: list[tuple], step: int | None = None):
+        self.handle, self.step = handle, step
         self.entries: dict[str, tuple[list[int], torch.dtype]] = {}
         for name, shape, dtype, _device in listing:
             self.entries.setdefault(name, (list(shape), dtype))
@@ -119,7 +120,8 @@ class _Writer:
         handle.write(b"\0" * (8 + self.room))
 
     def _header(self, tied: bool) -> bytes:
-        metadata = {"format": "pt"} | ({"head.weight": "embed.weight"} if tied else {})
+        metadata = ({"format": "pt"} | ({"head.weight": "embed.weight"} if tied else {})
+                    | ({"step": str(self.step)} if self.step is not None else {}))
         header: dict[str, Any] = {"__metadata__": metadata}
         for name, (shape, dtype) in self.entries.items():
             if not (tied and name == "head.weight"):
@@ -166,6 +168,16 @@ def _receiving_device(device_type: str) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
+
+
+def model_step(path: Path) -> int | None:
+    """The optimizer step a `model.safetensors` holds the weights of, or None for a file
+    written before ember recorded it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        step = (handle.metadata() or {}).get("step")
+    return int(step) if step is not None and step.isdigit() else None
 
 
 def load_model(model: nn.Module, path: Path) -> None:

@@ -340,7 +340,7 @@ class Trainer:
             "peak_reserved_gib": round(self.peak_reserved_gib(), 3),
         }
         if status == "finished":
-            save_model(self.engine.parts, self.run_dir / "model.safetensors")
+            save_model(self.engine.parts, self.run_dir / "model.safetensors", progress.step)
         if self.topo.is_main:  # a loss never measured (no step logged) is null, not NaN: strict JSON
             finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
             write_text(self.run_dir / "summary.json", json.dumps(finite, indent=1))
