@@ -158,6 +158,23 @@ def test_a_diverged_task_keeps_the_scores_of_the_others(run, tmp_path, monkeypat
     assert list(kept["tasks"]) == ["cola"] and len(kept["tasks"]["cola"]["per_seed"]) == 2
 
 
+def test_an_interruption_keeps_the_tasks_already_scored(run, tmp_path, monkeypatch):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE", "CoLA"))
+    real = glue_module.fit_and_score
+
+    def interrupted_at_rte(unit, *args, **kwargs):
+        if unit.task == "rte":
+            raise KeyboardInterrupt
+        return real(unit, *args, **kwargs)
+
+    monkeypatch.setattr(glue_module, "fit_and_score", interrupted_at_rte)
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_glue(run, glue, tasks="cola,rte", seeds=2, progress=False, out=out)
+    kept = json.loads(out.read_text())
+    assert list(kept["tasks"]) == ["cola"] and len(kept["tasks"]["cola"]["per_seed"]) == 2
+
+
 def test_held_out_scoring_names_a_bad_data_folder_before_the_results_file(run, dataset, tmp_path, capsys):
     assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"]) == 0
     capsys.readouterr()

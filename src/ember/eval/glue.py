@@ -146,10 +146,20 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
         check_glue_setup(target, earlier, results)
     tok = None if tokenizer is None else str(tokenizer)
     units = [task_units(run, d, seeds, protocol, str(checkpoint), tok, str(dev)) for d in data]
+    found = {} if earlier is None else dict(earlier["tasks"])  # tasks run before and not again are kept
+
+    def keep(d, rows: list[dict], steps: int) -> None:
+        """A task's score, written at once: an interruption keeps the tasks already done."""
+        if not any("diverged" in r for r in rows):
+            found[d.task.key] = task_result(d, rows, steps)
+            _write(results, found, target)
+
     with _Bars(progress, jobs) as bars:
         if jobs > 1:
             flat = run_parallel([u for task in units for u in task], jobs, bars.lines)
             done = {d.task.key: [r for r in flat if r["task"] == d.task.key] for d in data}
+            for d, task in zip(data, units):
+                keep(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
         else:
             done = {}
             for d, task in zip(data, units):
@@ -162,24 +172,25 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
                         unit, run, lambda step, loss, bar=bar: bars.step(bar, step, loss), bars.lines))
                     if "diverged" in done[d.task.key][-1]:
                         break  # the task has no score; its other seeds would not give it one
+                keep(d, done[d.task.key], steps)
+    if found:  # the earlier tasks too, where none of this run's finished
+        _write(results, found, target)
     diverged = [r for task in done.values() for r in task if "diverged" in r]
-    found = {} if earlier is None else dict(earlier["tasks"])  # tasks run before and not again are kept
-    for d, task in zip(data, units):
-        if not any("diverged" in r for r in done[d.task.key]):
-            found[d.task.key] = task_result(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
-    results["tasks"] = {key: found[key] for key in TASKS if key in found}
-    if results["tasks"]:
-        results["columns"] = column_scores(results["tasks"])
-        results["average"] = sum(results["columns"].values()) / len(results["columns"])
-        results["complete"] = list(results["columns"]) == list(COLUMNS)
-        write_text(target, json.dumps(results, indent=1))
-        results["path"] = str(target)
     if diverged:
         first = diverged[0]
         kept = f" (the scores of {', '.join(results['tasks'])} are in {target})" if results["tasks"] else ""
         raise ConfigError(f"fine-tuning {first['task']} (seed {first['seed']}) diverged: its last epoch's loss is "
                           f"{first['diverged']}; try a lower --lr than {protocol.lr:g}{kept}.")
     return results
+
+
+def _write(results: dict, found: dict, target: Path) -> None:
+    results["tasks"] = {key: found[key] for key in TASKS if key in found}
+    results["columns"] = column_scores(results["tasks"])
+    results["average"] = sum(results["columns"].values()) / len(results["columns"])
+    results["complete"] = list(results["columns"]) == list(COLUMNS)
+    write_text(target, json.dumps(results, indent=1))
+    results["path"] = str(target)
 
 
 def results_table(results: dict) -> Table:
