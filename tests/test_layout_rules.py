@@ -33,6 +33,9 @@ def test_default_layout_is_data_parallel_over_the_world():
     (2, ["parallel.zero=2", "parallel.dp_replicate=2"], "would save nothing"),
     (1, ["parallel.zero=1"], "would save nothing"),
     (4, ["schedule.batch_start=4", "schedule.batch_ramp=0.5"], "schedule.batch_start (4)"),
+    # Above one step of the layout but not a whole number of them: the ramp would round by layout.
+    (2, ["train.micro_batch=4", "train.global_batch=32", "schedule.batch_start=12", "schedule.batch_ramp=0.5"],
+     "schedule.batch_start (12) must be a multiple of data-parallel ranks x train.micro_batch (2 x 4 = 8)"),
     # Following the advice must not lead to the zero-without-dp_shard refusal.
     (4, ["parallel.tp=2", "parallel.dp_replicate=2"], "with those 2 ranks in parallel.dp_shard (dp_replicate=1)"),
 ])

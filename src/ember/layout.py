@@ -180,9 +180,10 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
     if global_batch % rows:
         out.append(f"train.global_batch ({global_batch}) must be a multiple of data-parallel ranks x "
                    f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows})")
-    if batch_start and batch_start < rows:
-        out.append(f"schedule.batch_start ({batch_start}) must be at least data-parallel ranks x train.micro_batch "
-                   f"({rows}), the smallest step every rank can share")
+    if batch_start and batch_start % rows:
+        out.append(f"schedule.batch_start ({batch_start}) must be a multiple of data-parallel ranks x "
+                   f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows}): the batch ramp grows in whole "
+                   f"batch_starts, the same steps on every layout")
     if lo.zero > 0 and lo.shard_ranks == 1:
         out.append(f"parallel.zero={lo.zero} shards model states over parallel.dp_shard ranks, and dp_shard is 1, "
                    f"so it would save nothing; use parallel.zero=0 or a dp_shard above 1")

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models
 
 from ember.data import DataError, load_manifest, load_tokenizer, prepare
 from ember.data.clean import CleanConfig, duplicate_line_fraction, text_filter, top_ngram_fraction, transform
 from ember.data.dedup import DedupConfig, Deduplicator, Signer, exact_key
 from ember.data.prep_config import load_prep_config, shard_sequences_for
+from ember.data.tokenizer import with_cleaning
 
 WORDS = ("model data token layer value return the a of to in is for with that by this list string "
          "number file object function class module parser error result index").split()
@@ -103,6 +105,11 @@ def test_cleaning_and_dedup_in_prepare(tmp_path):
     assert unique[3].lower() in kept[:12]  # the first copy is the one kept
     assert not any("zebra" in d or "spam" in d for d in kept)
     assert sum(m["document_length_histogram"]["documents"]) == 301
+    # The tokenizer carries the transforms, so text it meets later is read as its training text was.
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert tok.normalizer.normalize_str("Ｃａｆé ﬁle DÉJÀ") == "cafe file deja"
+    ascii_only = with_cleaning(Tokenizer(models.BPE()), CleanConfig(ascii_only=True))
+    assert ascii_only.normalizer.normalize_str("naïve → café") == "nave  caf"
 
 
 def test_prep_config_errors(tmp_path):

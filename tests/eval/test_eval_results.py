@@ -180,3 +180,31 @@ def test_held_out_scoring_names_a_bad_data_folder_before_the_results_file(run, d
     capsys.readouterr()
     code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(tmp_path / "nodata"), "--batches", "1"])
     refused(capsys, code, "manifest")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_a_results_file_that_cannot_be_made_is_refused_before_any_compute(run, tmp_path, capsys, no_compute):
+    glue = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("RTE",))
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(glue), "--tasks", "rte", "--seeds", "1",
+                 "--out", "/proc/ember-glue.json", "--quiet"])
+    refused(capsys, code, "cannot write the results to /proc/ember-glue.json")
+
+
+def test_a_zero_batch_count_is_named_before_the_results_file(run, dataset, capsys):
+    assert main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "1"]) == 0
+    capsys.readouterr()
+    code = main(["eval", "lm", "--checkpoint", str(run), "--data", str(dataset), "--batches", "0"])
+    refused(capsys, code, "--batches and --batch-size must be at least 1")
+
+
+def test_tasks_of_another_glue_folder_are_not_averaged_in(run, tmp_path, capsys):
+    first = write_glue(tmp_path / "glue", sizes=(16, 8), folders=("CoLA",))
+    other = write_glue(tmp_path / "glue-small", sizes=(12, 6), folders=("RTE",))
+    out = tmp_path / "r.json"
+    assert main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(first), "--tasks", "cola",
+                 "--seeds", "1", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    code = main(["eval", "glue", "--checkpoint", str(run), "--glue-dir", str(other), "--tasks", "rte",
+                 "--seeds", "1", "--out", str(out), "--quiet"])
+    refused(capsys, code, "its glue_dir differ")
+    assert list(json.loads(out.read_text())["tasks"]) == ["cola"]

@@ -125,6 +125,18 @@ def test_exported_masked_lm_computes_embers_logits_and_fine_tunes(tmp_path, over
     assert "EmberForMaskedLM" in capsys.readouterr().out
     assert "import ember" not in (out / "modeling_ember.py").read_text()  # loads where ember is not installed
     hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, local_files_only=True).eval()
+    # A pair laid out as `ember eval glue` lays it out, so the classifier's first position is its [CLS].
+    from dataclasses import replace
+
+    from ember.data import special_token_ids
+    from ember.eval.encode import encode_split
+    from ember.eval.glue_tasks import Split
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    pair = Split(["Open the file.", "Return the items."], ["Read its lines.", "Raise ValueError."], [0, 1], 0)
+    assert hf_tok(pair.text_a, pair.text_b)["input_ids"] == encode_split(pair, tok, special_token_ids(tok), "mlm", 32)
+    assert hf_tok(pair.text_a)["input_ids"] == encode_split(replace(pair, text_b=None), tok, special_token_ids(tok),
+                                                            "mlm", 32)
     ids = torch.randint(0, tok.get_vocab_size(), (3, 24))
     lengths = torch.tensor([24, 17, 9])
     mask = torch.arange(24)[None, :] < lengths[:, None]  # a right-padded batch

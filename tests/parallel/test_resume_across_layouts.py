@@ -33,22 +33,26 @@ def _launch(nproc, args, settings):
             "-m", "ember", *args, *sets]
 
 
-# (objective, processes and layout that saved, processes and layout that resume)
+# A batch ramp of 4 to 8 sequences over the first 80% of the steps: its sizes must not
+# depend on the layout (one process takes 2 a micro-batch, two data-parallel ranks 4).
+RAMP = ["train.global_batch=8", "schedule.batch_start=4", "schedule.batch_ramp=0.8"]
+# (objective, processes and layout that saved, processes and layout that resume, other settings)
 CASES = [
-    ("mlm", 2, {"zero": 3}, 1, {}),
-    ("causal", 2, {"zero": 3}, 2, {"tp": 2}),
-    ("causal", 2, {"pp": 2, "schedule": "1f1b"}, 1, {}),
-    ("mlm", 4, {"zero": 0}, 2, {"zero": 0}),
+    ("mlm", 2, {"zero": 3}, 1, {}, []),
+    ("causal", 2, {"zero": 3}, 2, {"tp": 2}, []),
+    ("causal", 2, {"pp": 2, "schedule": "1f1b"}, 1, {}, []),
+    ("mlm", 4, {"zero": 0}, 2, {"zero": 0}, []),
+    ("causal", 1, {}, 2, {"zero": 2}, RAMP),
 ]
 
 
-@pytest.mark.parametrize("objective,save_n,save_layout,resume_n,resume_layout", CASES,
-                         ids=["zero3x2-to-one", "zero3x2-to-tp2", "pp2-to-one", "dp4-to-dp2"])
+@pytest.mark.parametrize("objective,save_n,save_layout,resume_n,resume_layout,extra", CASES,
+                         ids=["zero3x2-to-one", "zero3x2-to-tp2", "pp2-to-one", "dp4-to-dp2", "ramp-one-to-zero2x2"])
 def test_a_checkpoint_resumes_under_another_layout(dataset, tmp_path, objective, save_n, save_layout,
-                                                   resume_n, resume_layout):
+                                                   resume_n, resume_layout, extra):
     sets = TINY + [f"model.objective={objective}", "model.dropout=0", "train.precision=fp32",
                    "train.device=cpu", "train.checkpoint_every=3steps", "train.eval_every=1000steps",
-                   "train.micro_batch=2", "train.checkpoint_async=true"]  # written in the background, also on CPU
+                   "train.micro_batch=2", "train.checkpoint_async=true", *extra]  # written in the background
     args = ["train", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--budget", "6steps",
             "--quiet", *[x for s in sets for x in ("--set", s)]]
     whole = tmp_path / "whole"

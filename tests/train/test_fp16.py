@@ -133,3 +133,13 @@ def test_scaler_constants_are_torchs():
     assert (loss_scale.INIT_SCALE, loss_scale.GROWTH_FACTOR, loss_scale.BACKOFF_FACTOR,
             loss_scale.GROWTH_INTERVAL) == (scaler.get_scale(), scaler.get_growth_factor(),
                                             scaler.get_backoff_factor(), scaler.get_growth_interval())
+
+
+def test_fp16_on_a_cpu_says_it_is_emulated(dataset, tmp_path, capsys):
+    from ember.cli import main
+
+    sets = [x for s in TINY + ["train.precision=fp16", "train.device=cpu"] for x in ("--set", s)]
+    assert main(["train", str(RECIPE), "--data", str(dataset), "--out", str(tmp_path / "run"), "--budget", "1steps",
+                 "--quiet", *sets]) == 0
+    captured = capsys.readouterr()
+    assert "train.precision=fp16 on a CPU runs emulated fp16 matmuls" in captured.out + captured.err

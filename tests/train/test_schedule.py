@@ -39,13 +39,13 @@ def test_warmup_stable_decay_and_constant():
     assert lr_factor(1.0, floor) == pytest.approx(0.1)
 
 
-def test_batch_ramp_in_whole_micro_batches():
+def test_batch_ramp_in_whole_batch_starts():
     s = ScheduleConfig(batch_start=64, batch_ramp=0.6)
-    sizes = [batch_size(f / 100, s, global_batch=1024, micro_batch=32) for f in range(101)]
-    assert sizes[0] == 64 and sizes[60] == 1024 and sizes[-1] == 1024
+    sizes = [batch_size(f / 100, s, global_batch=1000) for f in range(101)]
+    assert sizes[0] == 64 and sizes[60] == 1000 and sizes[-1] == 1000
     assert all(a <= b for a, b in zip(sizes, sizes[1:]))
-    assert all(n % 32 == 0 for n in sizes)
-    assert batch_size(0.3, ScheduleConfig(), 1024, 32) == 1024  # no ramp configured
+    assert all(n % 64 == 0 for n in sizes[:60]) and len(set(sizes[:60])) == 15  # 64, 128, ..., 960
+    assert batch_size(0.3, ScheduleConfig(), 1024) == 1024  # no ramp configured
 
 
 def test_progress_fraction_follows_the_budget_kind():

@@ -163,6 +163,20 @@ def test_resume_refuses_data_from_another_tokenizer(tmp_path):
             check_resume_data({"tokenizer_sha256": "aaa"}, tmp_path / "data.json")
 
 
+def test_resume_on_another_tokenizers_data_names_the_data_before_the_vocabulary(tmp_path):
+    """Data with another vocabulary also changes model.vocab_size, which the user never set
+    (0 takes the data's); the data is what to name."""
+    from ember.train.setup import check_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(load_config(None, ["model.vocab_size=4096"])))
+    (run / "data.json").write_text(json.dumps({"tokenizer_sha256": "aaa", "seq_len": 128}))
+    with pytest.raises(ConfigError, match="--data was prepared with another tokenizer"):
+        check_run_dir(load_config(None, ["model.vocab_size=2048"]), {"tokenizer_sha256": "bbb", "seq_len": 128},
+                      run, resume=True)
+
+
 def test_run_files_are_as_readable_as_any_new_file(tmp_path):
     """safetensors writes 0600 files; the model of a run on a shared filesystem is read by
     others, so every atomically written file gets the mode the umask gives."""

@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ember.atomic import TMP_SUFFIX, write_text
 from ember.data.clean import CleanConfig, transform
@@ -44,7 +45,7 @@ from ember.data.resume import (STARTED, STATE_FILE, clear_state, load_state, ref
                                written_files)
 from ember.data.pipeline import HISTOGRAM_BINS, Workers, pack_pass
 from ember.data.sources import MAX_DOCUMENT_BYTES, file_format, input_files, is_hf_spec, new_counts, open_input
-from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids,
+from ember.data.tokenizer import (KINDS, load_tokenizer, min_vocab_size, special_token_ids, with_cleaning,
                                   train_tokenizer)
 
 FORMAT = "ember-shards/1"
@@ -269,7 +270,12 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     dtype = token_dtype(vocab)
     if shard_size is not None:
         shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
-    tokenizer_text = tok.to_str(pretty=True)
+    # The workers encode cleaned text; the file also carries the cleaning's transforms for
+    # text that was never cleaned (they are idempotent, so the ids are the same either way,
+    # and a byte-level BPE without a normaliser keeps the workers' fast path).
+    work_text = tok.to_str(pretty=True)
+    tokenizer_text = (with_cleaning(Tokenizer.from_str(work_text), clean).to_str(pretty=True)
+                      if state is None and kind in KINDS else work_text)
     if kind == "file" and state is None:  # a trained tokenizer's leftovers are this command's own: redo them
         _refuse_other_tokenizer(out_dir, tokenizer_text)
 
@@ -289,7 +295,7 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
         def saver(force_val: bool):
             return lambda s: save_state(out_dir, settings, s | {"kind": kind, "force_val": force_val})
 
-        with Workers(workers, tokenizer_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
+        with Workers(workers, work_text, clean.to_dict(), dedup.to_dict(), curriculum) as pool:
             if state is None or not state["force_val"]:
                 result = pack_pass(keyed_stream(), pool, out_dir, len(sources), force_val=False, **options,
                                    resume=state, save=saver(False))

@@ -71,6 +71,28 @@ def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int,
     return _fixed_ids(tok) if kind == "wordpiece" else tok
 
 
+def with_cleaning(tok: Tokenizer, clean) -> Tokenizer:
+    """`tok` with the cleaning's text transforms (data/clean.py: `normalize`, `strip_accents`,
+    `lowercase`, `ascii_only`, in that order) ahead of its own normaliser. Its training
+    text went through them; text it meets later (GLUE, the users of an exported model)
+    does not, and without them "ＡＢＣ" would be [UNK] where the training text had "ABC".
+    Each is idempotent, so the prepared shards do not change."""
+    from tokenizers import Regex
+
+    steps = []
+    if clean.normalize:
+        steps.append(getattr(normalizers, clean.normalize)())
+    if clean.strip_accents:
+        steps += [normalizers.NFD(), normalizers.StripAccents()]
+    if clean.lowercase:
+        steps.append(normalizers.Lowercase())
+    if clean.ascii_only:
+        steps.append(normalizers.Replace(Regex("[^\\x00-\\x7f]"), ""))
+    if steps:
+        tok.normalizer = normalizers.Sequence(steps + ([tok.normalizer] if tok.normalizer is not None else []))
+    return tok
+
+
 def _fixed_ids(tok: Tokenizer) -> Tokenizer:
     """WordPiece numbered in a fixed order: its trainer numbers the characters it starts
     from in hash-map order, which changes from process to process, and with them every

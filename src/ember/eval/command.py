@@ -32,8 +32,11 @@ def _cmd_lm(args) -> int:
     from ember.data import load_manifest
     from ember.eval.lm import check_data, evaluate_lm
     from ember.eval.results import check_lm_data, claim
+    from ember.config import ConfigError
     from ember.eval.run import open_run
 
+    if any(value is not None and value < 1 for value in (args.batches, args.batch_size)):
+        raise ConfigError("--batches and --batch-size must be at least 1.")
     run = open_run(args.checkpoint)
     manifest = load_manifest(Path(args.data))
     check_data(run, manifest, Path(args.data))  # the inputs first, then where results go

@@ -139,7 +139,8 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
         "weights_stamp": weights_stamp(run.weights), "tokenizer": str(run.tokenizer_path),
         "objective": run.objective, "pooling": pooling_name(run.objective, protocol.pooling),
         "protocol": protocol.to_dict() | {"max_len": min(protocol.max_len, run.config.model.max_seq_len)},
-        "seeds": list(range(seeds)), "device": device_name(dev), "jobs": jobs, "convention": CONVENTION,
+        "seeds": list(range(seeds)), "glue_dir": str(Path(glue_dir).resolve()), "device": device_name(dev),
+        "jobs": jobs, "convention": CONVENTION,
         "tasks": {},
     }
     if earlier is not None:

@@ -11,7 +11,7 @@ for the same data, over at least as many sequences. Any other file is left as it
 from __future__ import annotations
 
 import json
-import os
+import tempfile
 from pathlib import Path
 
 from ember.config import ConfigError
@@ -19,7 +19,7 @@ from ember.config import ConfigError
 # What marks a file as written by each verb.
 _MARKS = {"glue": ("checkpoint", "weights", "tasks", "convention"), "lm": ("checkpoint", "weights", "perplexity")}
 # A GLUE results file gains tasks only from a run that differs in none of these.
-GLUE_SETUP = ("weights", "weights_stamp", "tokenizer", "objective", "pooling", "protocol", "seeds")
+GLUE_SETUP = ("weights", "weights_stamp", "tokenizer", "objective", "pooling", "protocol", "seeds", "glue_dir")
 
 
 def _same_path(a: str | None, b: str | None) -> bool:
@@ -59,8 +59,11 @@ def claim(path: Path, run_dir: Path, verb: str) -> dict | None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"cannot write the results to {path} ({err.strerror or err}).") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write the results to {path} (its folder is not writable).")
+    try:  # a file made and removed: permission bits alone say nothing to root or of special folders
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot write the results to {path} ({err.strerror or err}).") from None
     return old
 
 
@@ -69,6 +72,7 @@ def check_glue_setup(path: Path, old: dict, new: dict) -> None:
     new = json.loads(json.dumps(new))  # as it would be read back: tuples become lists
     same = {key: _same_path if key in ("weights", "tokenizer") else (lambda a, b: a == b) for key in GLUE_SETUP}
     same["weights_stamp"] = lambda a, b: a is None or a == b  # files of older embers have none
+    same["glue_dir"] = lambda a, b: a is None or _same_path(a, b)  # tasks of other GLUE files never average
     differs = [key for key in GLUE_SETUP if not same[key](old.get(key), new[key])]
     if differs == ["weights_stamp"]:
         raise ConfigError(f"{path} holds GLUE results of earlier weights at {new['weights']} (the run was "

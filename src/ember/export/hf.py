@@ -186,7 +186,8 @@ def _write(tmp: Path, architecture: str, config: dict, state: dict, run) -> dict
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2) + "\n")
-    write_tokenizer(tmp, run.tokenizer_path, run.tokenizer, run.special_tokens, run.config.model.max_seq_len)
+    write_tokenizer(tmp, run.tokenizer_path, run.tokenizer, run.special_tokens, run.config.model.max_seq_len,
+                    masked=architecture == "EmberForMaskedLM")
     if architecture == "EmberForMaskedLM":
         shutil.copyfile(REMOTE_CODE, tmp / "modeling_ember.py")
     return tensors

@@ -67,10 +67,13 @@ def lr_factor(fraction: float, s: ScheduleConfig) -> float:
     return 1.0 - (1.0 - s.min_lr_ratio) * (f - decay_start) / s.decay
 
 
-def batch_size(fraction: float, s: ScheduleConfig, global_batch: int, micro_batch: int) -> int:
-    """Sequences in the optimizer step at `fraction`: a linear ramp from
-    `batch_start` to `global_batch`, rounded down to whole micro-batches."""
+def batch_size(fraction: float, s: ScheduleConfig, global_batch: int) -> int:
+    """Sequences in the optimizer step at `fraction`: a linear ramp from `batch_start` to
+    `global_batch`, rounded down to a multiple of `batch_start` (Megatron-LM's ramp grows in
+    such increments too). The rounding depends on nothing of the layout, so every layout, and
+    a run resumed under another one, takes the same steps; each layout's data-parallel
+    ranks x micro-batch must divide `batch_start` (ember.layout.problems)."""
     if not s.batch_start or s.batch_ramp <= 0 or fraction >= s.batch_ramp:
         return global_batch
     size = s.batch_start + (global_batch - s.batch_start) * fraction / s.batch_ramp
-    return max(micro_batch, int(size) // micro_batch * micro_batch)
+    return min(global_batch, int(size) // s.batch_start * s.batch_start)

@@ -175,8 +175,8 @@ def check_run_dir(config: Config, manifest: dict, run_dir: Path, resume: bool,
     if newest is None:
         _check_nothing_reached(run_dir)
     if newest is not None:
+        check_resume_data(manifest, run_dir / "data.json")  # first: other data also changes the vocabulary
         check_resume_config(config, run_dir / "config.toml", device)
-        check_resume_data(manifest, run_dir / "data.json")
     return newest
 
 

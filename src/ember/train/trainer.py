@@ -25,7 +25,7 @@ from ember.config import Config, to_toml
 from ember.cost import model_flops_per_token
 from ember.data import Batches, load_manifest
 from ember.data.manifest import check_tokenizer, verify_checksums
-from ember.layout import SCHEDULES, check_run
+from ember.layout import check_run
 from ember.device import (PhaseTimer, autocast_dtype, device_name, device_peak_flops, peak_memory_bytes,
                           peak_reserved_bytes, pick_device, reset_peak_memory, use_device)
 from ember.model import Transformer
@@ -187,6 +187,9 @@ class Trainer:
             bar.print(f"note: model.vocab_size ({self.cfg.model.vocab_size:,}) is "
                       f"{self.cfg.model.vocab_size / data_vocab:.0f}x the data's vocabulary ({data_vocab:,}): "
                       "the output rows beyond it never see a target; model.vocab_size=0 takes the data's.")
+        if self.topo.is_main and self.amp_dtype == torch.float16 and self.device.type == "cpu":
+            bar.print("note: train.precision=fp16 on a CPU runs emulated fp16 matmuls, many times slower than fp32; "
+                      "it checks an fp16 run (loss scaling, skipped steps) before a GPU without bf16 trains it.")
         if self.resume_from is not None and self.topo.is_main:
             bar.print(f"resuming from {self.resume_from} (step {progress.step})")
         elif self.resume_requested and self.topo.is_main:  # a requeued job that never reached a checkpoint
@@ -216,7 +219,7 @@ class Trainer:
         since = clock.local()
         while not progress.done(self.budget):
             fraction = progress.fraction(self.budget)
-            n = batch_size(fraction, self.cfg.schedule, t.global_batch, self._batch_unit())
+            n = batch_size(fraction, self.cfg.schedule, t.global_batch)
             read_at = max(read_at, progress.step_fraction(self.budget, n * self.seq_len, progress.step_s))
             lr = self.cfg.optim.lr * lr_factor(read_at, self.cfg.schedule)
             # Time (and, with train.breakdown, profile) the steps on the logging interval.
@@ -296,14 +299,6 @@ class Trainer:
             bar.print(f"step {spike.step}: {spike.reason}; rolled back to step {progress.step} and skipped "
                       f"{skipped} sequences of data")
         return True
-
-    def _batch_unit(self) -> int:
-        """What a step's size must be a multiple of, however a batch ramp rounds: whole
-        micro-batches on every data-parallel rank, and a multiple of pp of them for the
-        schedules that run several stages per rank."""
-        lo = self.parallel
-        fill = lo.pp if lo.pp > 1 and SCHEDULES[lo.schedule][0] else 1
-        return lo.micro_batch * lo.dp * fill
 
     def _predicted_fraction(self, count: int, tokens: int) -> float:
         sparse = self.cfg.model.objective == "mlm" and self.cfg.model.sparse_prediction

@@ -78,8 +78,8 @@ def plan_trials(args):
     for item in args.set:
         key = item.partition("=")[0].strip()
         if key in layout_keys():
-            raise ConfigError(f"--set {item}: ember tune chooses {key} for each trial; leave it out, or name "
-                              "the layouts to measure with --layout.")
+            raise ConfigError(f"--set {item}: ember tune chooses {key} for each trial; leave it out, or give it "
+                              "inside the layouts to measure (--layout tp=2,mbs=4,...).")
     # Each trial sets its own train.micro_batch, and run_problems holds that one against the
     # global batch; the recipe's would refuse a global batch the trials can train.
     config = load_config(args.config, args.set + ["train.micro_batch=1"])
