@@ -38,6 +38,11 @@ def test_labels_come_from_the_right_columns(tmp_path):
     split = read_split(TASKS["mrpc"], path)
     assert split.labels == [1] and (split.text_a, split.text_b) == (["It rains."], ["It is raining."])
     assert MNLI_TRAIN[-1] == "gold_label"
+    # Rows end at newlines (and CRLF) only: a line separator inside a sentence is text.
+    path.write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\r\n1\t7\t8\tIt\u2028rains.\tIt is\x85raining.\r\n",
+                    newline="")
+    split = read_split(TASKS["mrpc"], path)
+    assert split.labels == [1] and (split.text_a, split.text_b) == (["It\u2028rains."], ["It is\x85raining."])
 
 
 @pytest.mark.parametrize("content, words", [

@@ -107,7 +107,9 @@ def _rows(path: Path) -> list[list[str]]:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text; use the files of the official GLUE download.") from None
-    return [line.split("\t") for line in text.splitlines() if line.strip()]
+    # Rows end at newlines only: str.splitlines would also cut a sentence at U+0085, U+2028
+    # or a form feed, which are text inside a GLUE field, not row ends.
+    return [line.rstrip("\r").split("\t") for line in text.split("\n") if line.strip()]
 
 
 def read_split(task: Task, path: Path) -> Split:
