@@ -157,10 +157,18 @@ def run_glue(checkpoint: str | Path, glue_dir: str | Path, tasks: str | None = N
 
     with _Bars(progress, jobs) as bars:
         if jobs > 1:
-            flat = run_parallel([u for task in units for u in task], jobs, bars.lines)
+            owner = [k for k, task in enumerate(units) for _ in task]
+            got: list[list[dict]] = [[] for _ in units]
+
+            def finished(i: int, result: dict) -> None:  # a task is kept once all its seeds are in
+                k = owner[i]
+                got[k].append(result)
+                if len(got[k]) == len(units[k]):
+                    keep(data[k], sorted(got[k], key=lambda r: r["seed"]),
+                         total_steps(len(units[k][0].train_rows), protocol))
+
+            flat = run_parallel([u for task in units for u in task], jobs, bars.lines, finished)
             done = {d.task.key: [r for r in flat if r["task"] == d.task.key] for d in data}
-            for d, task in zip(data, units):
-                keep(d, done[d.task.key], total_steps(len(task[0].train_rows), protocol))
         else:
             done = {}
             for d, task in zip(data, units):

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import torch
@@ -99,17 +99,25 @@ def _work(args: tuple[Unit, bool]) -> dict:
     return fit_and_score(args[0], lines=args[1])
 
 
-def run_parallel(units: list[Unit], jobs: int, lines: bool) -> list[dict]:
-    """Every unit's result, in the order of `units`; the largest tasks start first."""
+def run_parallel(units: list[Unit], jobs: int, lines: bool, finished=None) -> list[dict]:
+    """Every unit's result, in the order of `units`; the largest tasks start first.
+    `finished(index, result)` is called as each unit finishes, so that finished work can be
+    kept before an interruption."""
     threads = max(1, cpu_cores() // jobs)
     order = sorted(range(len(units)), key=lambda i: -len(units[i].train_rows))
     # spawn, not fork: a forked child inherits torch's thread pools in an unusable state.
     context = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
                              initargs=(threads,)) as pool:
-        futures = {i: pool.submit(_work, (units[i], lines)) for i in order}
+        futures = {pool.submit(_work, (units[i], lines)): i for i in order}
+        results: list = [None] * len(units)
         try:
-            return [futures[i].result() for i in range(len(units))]
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                if finished is not None:
+                    finished(i, results[i])
+            return results
         except BaseException:  # Ctrl-C, SIGTERM, a failed unit: the queued fine-tunes are not wanted
             pool.shutdown(wait=False, cancel_futures=True)
             for process in list((pool._processes or {}).values()):  # no public way to stop running ones
