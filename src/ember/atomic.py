@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -78,13 +77,14 @@ def write_text(path: Path, text: str) -> None:
 
 
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Flush every file of the finished folder `tmp` and rename it to `final`, replacing an
-    older folder of that name (the same step saved twice)."""
+    """Flush every file of the finished folder `tmp` and rename it to `final`, which may be an
+    empty folder; a folder with anything in it is never removed before its replacement is
+    in place (a crash between the two would leave neither)."""
     for folder, _, files in os.walk(tmp):
         for name in files:
             _fsync_file(Path(folder) / name)
         fsync_dir(Path(folder))
     if final.exists():
-        shutil.rmtree(final)
+        final.rmdir()  # an OSError if it is not empty
     os.replace(tmp, final)
     fsync_dir(final.parent)

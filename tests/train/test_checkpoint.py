@@ -41,6 +41,16 @@ def test_half_written_checkpoint_is_ignored_and_old_ones_pruned(tmp_path):
     assert latest(tmp_path).name == "step_00000003"
 
 
+def test_a_step_saved_again_keeps_the_published_checkpoint(tmp_path):
+    """Never removed before a replacement is in place: a kill in between would leave none."""
+    model, opt = _model_and_optimizer(0)
+    first = save(tmp_path, 4, [model], [opt], {"progress": {"step": 4}})
+    (first / "marker").write_text("the published one")
+    assert save(tmp_path, 4, [model], [opt], {"progress": {"step": 4}}) == first
+    assert (first / "marker").read_text() == "the published one"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000004"]  # no leftover
+
+
 def test_tied_weights_survive(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight

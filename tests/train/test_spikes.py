@@ -77,6 +77,57 @@ def test_stop_ends_without_saving_the_spiked_state(dataset, tmp_path):
     assert summary["status"] == "stopped on a loss spike"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
     assert not (out / "model.safetensors").exists()
+    [event] = [r for r in _records(out) if r.get("event") == "loss spike"]  # the stop is in the record too
+    assert event["spike_step"] == 25 and event["action"] == "stop"
+
+
+def test_every_rollback_stays_in_the_record_and_a_resume_keeps_them(dataset, tmp_path):
+    out = tmp_path / "run"
+    trainer = _trainer(dataset, out)
+    first = _inject(trainer, 25, lambda loss: loss * float("nan"))
+    step = trainer.train_step
+
+    def second_spike(n, lr):  # the 36th call, step 31 after the first rollback, spikes too
+        loss, norm, count = step(n, lr)
+        if len(first) == 36:
+            with torch.no_grad():
+                for p in trainer.engine.parts[0].parameters():
+                    p.mul_(float("nan"))
+            return loss * float("nan"), norm, count
+        return loss, norm, count
+
+    trainer.train_step = second_spike
+    assert trainer.run()["status"] == "finished"
+    events = [(r["spike_step"], r["checkpoint_step"]) for r in _records(out) if r.get("event") == "loss spike"]
+    assert events == [(25, 20), (31, 30)]  # the second rollback's rewind kept the first's line
+    # A resume from the step-30 checkpoint runs steps 31-40 again: their records go, the events stay.
+    cfg = load_config(RECIPE, TINY + ["train.checkpoint_every=10steps", "train.eval_every=1000steps",
+                                      "train.budget=40steps", "train.spike_window=20", "train.keep_checkpoints=5"])
+    (out / "model.safetensors").unlink()
+    import shutil
+    shutil.rmtree(out / "checkpoints" / "step_00000040")
+    assert Trainer(cfg, dataset, out, progress=False, resume=True).run()["status"] == "finished"
+    assert [r["spike_step"] for r in _records(out) if r.get("event")] == [25, 31]
+
+
+def test_the_last_step_is_saved_once(dataset, tmp_path):
+    """The schedule saves step 40 and the run ends there: one checkpoint write, not two."""
+    trainer = _trainer(dataset, tmp_path / "run")
+    written, build = [], trainer.build
+
+    def build_and_watch():
+        build()
+        save = trainer.checkpointer.save
+
+        def counted(run_dir, step, *args, **kwargs):
+            written.append(step)
+            return save(run_dir, step, *args, **kwargs)
+
+        trainer.checkpointer.save = counted
+
+    trainer.build = build_and_watch
+    assert trainer.run()["status"] == "finished"
+    assert written == [10, 20, 30, 40]
 
 
 def test_off_trains_on_regardless(dataset, tmp_path):

@@ -227,7 +227,10 @@ def _publish(run_dir: Path, tmp: Path, final: Path, keep: int) -> None:
     """Rank 0, once every rank's files are complete: the folder gets its final name, and
     all but the newest `keep` checkpoints go."""
     if rank() == 0:
-        publish_dir(tmp, final)
+        if final.exists():  # this step saved before holds this state: it stays, never removed before a copy is in place
+            shutil.rmtree(tmp)
+        else:
+            publish_dir(tmp, final)
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 

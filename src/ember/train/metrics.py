@@ -27,8 +27,9 @@ class MetricsLog:
         self._file = open(self.path, "a")
 
     def _truncate_after(self, step: int) -> None:
-        """Lines logged after the checkpoint we resume from will be logged again."""
-        kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= step]
+        """Lines logged after the checkpoint we resume from will be logged again; events
+        (loss spikes and what was done about them) happened whatever runs again, and stay."""
+        kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= step or "event" in record]
         write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def write(self, record: dict[str, Any]) -> None:

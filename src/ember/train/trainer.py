@@ -84,6 +84,7 @@ class Trainer:
             self.guard = SpikeGuard(cfg.train.on_spike, cfg.train.spike_sigma, cfg.train.spike_window)
             self.policies.append(self.guard)
         self.stopped_by: int | None = None  # the signal that stopped the run, if any
+        self.saved_step: int | None = None  # the step whose state the newest checkpoint holds
 
     # ---- pieces -------------------------------------------------------------------
 
@@ -154,6 +155,9 @@ class Trainer:
         return loss_sum / count, norm, count  # tensors: read only when logged
 
     def save(self, progress: Progress) -> None:
+        if progress.step == self.saved_step:  # the run's last checkpoint already holds this state
+            return
+        self.saved_step = progress.step
         state = {"progress": asdict(progress), "data": self.train_data.state_dict(), "budget": str(self.budget)}
         if self.scaler.enabled:
             state["loss_scale"] = self.scaler.state_dict()
@@ -172,6 +176,7 @@ class Trainer:
             progress = Progress(**state["progress"])
             self.train_data.load_state_dict(state["data"])
             self.scaler.load_state_dict(state.get("loss_scale"))
+            self.saved_step = progress.step
         if self.topo.is_main:
             # Only what the trainer itself writes: `ember report` or `ember eval` may be writing beside it.
             checkpoint.remove_unfinished(self.run_dir, ("config.toml", "data.json", "tokenizer.json", "metrics.jsonl",
@@ -251,6 +256,10 @@ class Trainer:
             if STOP in decisions:
                 self.save(progress)
                 return "interrupted"
+            if HALT in decisions:
+                done = self.guard.action == "rollback"  # and it has rolled back as often as it may
+                log.write(self._spike_record(progress)
+                          | {"action": f"stop: rolled back {self.guard.rollbacks} times already" if done else "stop"})
             if HALT in decisions or (ROLLBACK in decisions and not self._roll_back(progress, log, bar)):
                 self.checkpointer.wait()
                 checkpoint.set_aside(self.run_dir, self.guard.spike.step)  # --resume starts before the spike
@@ -266,6 +275,11 @@ class Trainer:
         self.save(progress)
         return "finished"
 
+    def _spike_record(self, progress: Progress) -> dict:
+        spike = self.guard.spike
+        return {"step": progress.step, "event": "loss spike", "spike_step": spike.step,
+                "spike_loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss), "reason": spike.reason}
+
     def _roll_back(self, progress: Progress, log, bar: ProgressBar) -> bool:
         """Load the newest checkpoint before the spike into the running engine and skip the
         data up to the spike (what the BLOOM and OPT teams did by hand). False when there is
@@ -275,9 +289,7 @@ class Trainer:
         before = [p for p in checkpoint.list_checkpoints(self.run_dir) if checkpoint.step_of(p) < spike.step]
         if before:  # so that neither --resume nor the next rollback goes back past the spike
             checkpoint.set_aside(self.run_dir, spike.step)
-        record = {"step": progress.step, "event": "loss spike", "spike_step": spike.step,
-                  "spike_loss": spike.loss if math.isfinite(spike.loss) else str(spike.loss),
-                  "reason": spike.reason}
+        record = self._spike_record(progress)
         if not before:
             log.write(record | {"action": "stop: no checkpoint before the spike"})
             if self.topo.is_main:
@@ -287,6 +299,7 @@ class Trainer:
         state = checkpoint.load(before[-1], self.engine.parts, self.engine.optimizers, self.layout())
         for key, value in state["progress"].items():
             setattr(progress, key, value)
+        self.saved_step = progress.step
         progress.elapsed_s = elapsed
         self.train_data.load_state_dict(state["data"])
         self.scaler.load_state_dict(state.get("loss_scale"))
