@@ -208,3 +208,25 @@ def test_the_allocators_own_out_of_memory_is_the_same_sentence(dataset, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("ember: error: the model does not fit") and err.count("\n") == 1, err
     assert "ran out of memory" in err
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(dataset, tmp_path, capsys, monkeypatch):
+    """`ember report RUN | head -1`: the closed pipe is not a file the user named."""
+    import os
+    import signal
+    import sys
+
+    run = tmp_path / "run"
+    sets = [x for s in TINY for x in ("--set", s)]
+    assert main(["train", str(REPO / "configs/tiny-gpt.toml"), "--data", str(dataset), "--out", str(run),
+                 "--budget", "2steps", "--quiet", *sets]) == 0
+    capsys.readouterr()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed = os.fdopen(write_end, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", closed)
+    code = main(["report", str(run)])
+    monkeypatch.undo()
+    closed.close()
+    assert code == 128 + signal.SIGPIPE
+    assert "error" not in capsys.readouterr().err

@@ -32,6 +32,18 @@ def test_mistakes_are_one_clear_sentence(override, words):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["schedule.lr=wsd", "schedule.warmup=0.5", "schedule.decay=0.8"],
+     r"schedule.warmup \(0.5\) \+ schedule.decay \(0.8\) must be at most 1"),
+    (["schedule.lr=triangle", "schedule.triangle_peak=1.0"], "triangle_peak must be below 1"),
+])
+def test_schedules_that_would_not_end_annealed_are_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+    load_config(None, overrides[:1] + [o.replace("0.8", "0.2").replace("1.0", "0.9") for o in overrides[1:]])
+
+
 def test_kv_heads_divide_the_query_heads():
     assert load_config(None, ["model.kv_heads=4"]).model.kv_heads == 4
     assert load_config(None, ["model.kv_heads=12"]).model.kv_heads == 12

@@ -7,6 +7,7 @@ training run saves a checkpoint and exits with 128 + the signal number.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -154,6 +155,11 @@ def _run(argv: list[str] | None) -> int:
     except (ConfigError, DataError) as err:
         print(f"ember: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader of our output went away (`ember report RUN | head`): as any Unix filter,
+        # end quietly; stdout goes to /dev/null so that flushing it at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as err:
         # A path given on the command line cannot be read or written (a missing folder, a
         # file where a folder should be, no permission, a full disk).

@@ -342,6 +342,13 @@ def validate(config: Config) -> None:
     for name in ("warmup", "decay", "batch_ramp", "triangle_peak", "triangle_start", "min_lr_ratio"):
         if not 0.0 <= getattr(s, name) <= 1.0:
             raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")
+    # Shapes that would not end annealed, refused rather than run.
+    if s.lr == "wsd" and s.warmup + s.decay > 1.0:
+        raise ConfigError(f"schedule.warmup ({s.warmup:g}) + schedule.decay ({s.decay:g}) must be at most 1 for "
+                          "schedule.lr = \"wsd\": its decay would start inside the warm-up.")
+    if s.lr == "triangle" and s.triangle_peak >= 1.0:
+        raise ConfigError("schedule.triangle_peak must be below 1: at 1 the triangle would end at its peak "
+                          "learning rate instead of 0.")
     if len(config.optim.betas) != 2:
         raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
     _check_ranges(config)

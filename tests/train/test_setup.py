@@ -321,3 +321,28 @@ def test_resume_finishes_a_run_stopped_at_the_end_of_its_budget(dataset, tmp_pat
     cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY)
     summary = Trainer(cfg, dataset, run, budget="4steps", resume=True, progress=False).run()
     assert summary["status"] == "finished" and summary["steps"] == 4 and (run / "model.safetensors").is_file()
+
+
+def test_a_finished_run_resumed_to_train_on_is_not_reported_finished_meanwhile(dataset, tmp_path):
+    """Until the resumed run ends, its summary must not say the old run's "finished" (a kill
+    would leave it so), and `--resume` of a finished run names the folder it is in now."""
+    import shutil
+
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY)
+    run = tmp_path / "run"
+    assert Trainer(cfg, dataset, run, budget="3steps", progress=False).run()["status"] == "finished"
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    again = Trainer(cfg, dataset, moved, budget="3steps", progress=False, resume=True).run()
+    assert again["status"] == "already finished" and again["run_dir"] == str(moved)
+    trainer = Trainer(cfg, dataset, run, budget="6steps", progress=False, resume=True)
+    seen, step = [], trainer.train_step
+
+    def watch(n, lr):
+        seen.append(json.loads((run / "summary.json").read_text())["status"])
+        return step(n, lr)
+
+    trainer.train_step = watch
+    assert trainer.run()["status"] == "finished"
+    assert seen == ["running or killed"] * 3
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"

@@ -209,7 +209,7 @@ def finished_summary(run_dir: Path, newest: Path | None, done) -> dict | None:
         return None
     if summary.get("status") != "finished" or summary.get("steps") != progress.get("step"):
         return None
-    return summary | {"status": "already finished"}
+    return summary | {"status": "already finished", "run_dir": str(run_dir)}  # where it is now, if it was moved
 
 
 def check_budget_left(newest: Path | None, budget, done) -> None:

@@ -41,8 +41,11 @@ class TensorBoard:
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
+        # Tokens and time come with each training record; an evaluation's copies of them at
+        # the same step would be second points on those curves.
+        skip = {"step"} if "loss" in record else {"step", "tokens", "elapsed_s"}
         for key, value in _numbers(record).items():
-            if key != "step":
+            if key not in skip:
                 self.writer.add_scalar(key, value, step)
         self.writer.flush()
 

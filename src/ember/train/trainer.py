@@ -336,6 +336,11 @@ class Trainer:
                 "special_tokens": self.manifest["special_tokens"],
                 "eval_batches": self.cfg.train.eval_batches, "eval_rows": self.eval_rows}
         write_text(self.run_dir / "data.json", json.dumps(data, indent=1))
+        # Until this run ends, an earlier run's summary (a finished run resumed to train on)
+        # would describe weights and steps that no longer hold.
+        write_text(self.run_dir / "summary.json", json.dumps(
+            {"status": "running or killed", "run_dir": str(self.run_dir),
+             "unigram_entropy": self.manifest.get("unigram_entropy")}, indent=1))
 
     def _finish(self, progress: Progress, status: str) -> dict[str, Any]:
         summary = {
