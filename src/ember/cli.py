@@ -50,6 +50,8 @@ def _cmd_train(args) -> int:
 def _print_summary(s: dict) -> None:
     lines = [f"{s['status']} after {s['steps']:,} steps, {s['tokens']:,} tokens, {s['elapsed_s']:.0f}s on {s['device']}",
              f"  train loss {_loss(s['train_loss'])}   held-out loss {_loss(s['val_loss'])}"]
+    if s.get("val_step") is not None and s["val_step"] != s["steps"]:  # an interrupted run's last evaluation
+        lines[-1] += f" (at step {s['val_step']:,})"
     if s.get("unigram_entropy"):
         lines[-1] += f"   (unigram baseline {s['unigram_entropy']:.4f})"
     lines.append(f"  {s['tokens_per_s']:,.0f} tokens/s   run directory {s['run_dir']}")

@@ -346,3 +346,17 @@ def test_a_finished_run_resumed_to_train_on_is_not_reported_finished_meanwhile(d
     assert trainer.run()["status"] == "finished"
     assert seen == ["running or killed"] * 3
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+def test_an_interrupted_runs_summary_says_when_its_held_out_loss_was_measured(dataset, tmp_path, capsys):
+    from ember.cli import _print_summary
+
+    cfg = load_config(REPO / "configs/tiny-gpt.toml", TINY + ["train.eval_every=3steps"])
+    trainer = Trainer(cfg, dataset, tmp_path / "run", budget="1000steps", progress=False)
+    trainer.policies.append(_StopAfter(4))
+    summary = trainer.run()
+    trainer.close()
+    assert (summary["status"], summary["steps"], summary["val_step"]) == ("interrupted", 4, 3)
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    assert "(at step 3)" in out and "held-out loss" in out.split("(at step 3)")[0]

@@ -215,6 +215,7 @@ class Trainer:
         self.evaluate.every = Every(parse_interval(t.eval_every, "train.eval_every"), progress)
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
         self.last_loss = self.last_val = float("nan")
+        self.last_val_step: int | None = None
         # Where the schedule was last read. The time a step is expected to take is the last
         # one's; a step slower than the next (a busy host, a compile) must not send the
         # schedule back.
@@ -318,7 +319,7 @@ class Trainer:
         return count / tokens if sparse else 1.0
 
     def _log_eval(self, progress: Progress, log) -> None:
-        self.last_val = self.evaluate()
+        self.last_val, self.last_val_step = self.evaluate(), progress.step
         self.evaluate.every.done(progress)
         log.write({"step": progress.step, "tokens": progress.tokens,
                    "elapsed_s": round(progress.elapsed_s, 3), "val_loss": self.last_val})
@@ -346,7 +347,7 @@ class Trainer:
         summary = {
             "status": status, "steps": progress.step, "tokens": progress.tokens,
             "elapsed_s": round(progress.elapsed_s, 2), "train_loss": self.last_loss,
-            "val_loss": self.last_val, "unigram_entropy": self.manifest.get("unigram_entropy"),
+            "val_loss": self.last_val, "val_step": self.last_val_step, "unigram_entropy": self.manifest.get("unigram_entropy"),
             "tokens_per_s": progress.tokens / max(progress.elapsed_s, 1e-9),
             "device": device_name(self.device), "run_dir": str(self.run_dir),
             "world_size": self.world, "peak_memory_gib": round(self.peak_memory_gib(), 3),
