@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class ShapeTimes:
@@ -98,6 +98,19 @@ class GPU:
     runtime_gib: float = 1.0
     matmul_times: ShapeTimes | None = None
     attention_times: ShapeTimes | None = None
+
+
+def at_fp32(gpu: GPU) -> GPU:
+    """`gpu` multiplying in fp32 (a run without autocast): on TF32 tensor cores at half the
+    bf16 rate where it has them (Ampere and later, the GPUs with bf16; ember's trainer turns
+    TF32 on), else on its CUDA cores at an eighth of the fp16 tensor-core rate (V100: 15.7
+    against 125 TFLOP/s; T4: 8.1 against 65). Its timed kernels were timed in bf16 and go.
+    A calibrated CPU's peak is the fp32 rate it measured, and stays."""
+    if gpu.name.startswith("cpu"):
+        return gpu
+    rate = 0.5 if gpu.bf16 else 1 / 8
+    return replace(gpu, matmul_eff=gpu.matmul_eff * rate, attn_eff=gpu.attn_eff * rate, matmul_times=None,
+                   attention_times=None)
 
 
 _NV_A100 = dict(sms=108, intra_gbps=300.0, inter_gbps=25.0, matmul_eff=0.86, attn_eff=0.62)

@@ -113,3 +113,4 @@ def test_calibrate_with_a_model_measures_its_blocks_rest_and_plan_takes_it(tmp_p
     assert main(["plan", "--profile", str(out), "--model", str(recipe), "--gpus", "1", "--global-batch", "8",
                  "--precision", "fp32"]) == 0
     assert "the blocks' elementwise work at" in capsys.readouterr().out
+

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from ember.cli import main
 from ember.config import ConfigError
 from ember.plan.cluster import make_cluster, read_profile
 from ember.hardware import GPUS, find_gpu, gpu_by_name
@@ -72,3 +73,12 @@ def test_profile_of_an_unlisted_gpu(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         read_profile(path)
+
+
+@pytest.mark.parametrize("key", ["all_gather_ratio", "reduce_scatter_ratio"])
+def test_a_collective_ratio_of_zero_in_a_profile_is_refused(tmp_path, capsys, key):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"gpu": {"name": "H100"}, "links": {key: 0}}))
+    assert main(["plan", "--profile", str(path), "--model", "llama3-8b", "--gpus", "8", "--global-batch", "64"]) == 2
+    err = capsys.readouterr().err
+    assert f"links {key} = 0 must be a finite number above 0" in err and "Traceback" not in err

@@ -119,3 +119,19 @@ def test_blackwell_is_priced_from_its_datasheet():
     h100 = predict(LLAMA, make_cluster("H100", 8, 8, stack=stack("nemo")), shape, lo)
     blackwell = predict(LLAMA, make_cluster("B200", 8, 8, stack=stack("nemo")), shape, lo)
     assert 1.5 < blackwell.tokens_per_s_per_gpu / h100.tokens_per_s_per_gpu < 2.5
+
+
+def test_fp32_on_a_gpu_multiplies_at_tf32_or_cuda_core_rates():
+    from ember.hardware import at_fp32
+
+    model, shape = PRESETS["llama3-8b"], TrainShape(4096, 64)
+    lo = Layout(dp_shard=8, zero=3, recompute="full")
+    for gpu, low, high in (("H100", 1.7, 2.0), ("V100", 6.0, 8.0)):  # TF32 at half bf16; fp32 FMA at 1/8 fp16
+        cluster = make_cluster(gpu, 8)
+        fast = predict(model, cluster, dataclasses.replace(shape, precision="fp16" if gpu == "V100" else "bf16"), lo)
+        slow = predict(model, cluster, dataclasses.replace(shape, precision="fp32"), lo)
+        assert low < slow.detail["matmul_s"] / fast.detail["matmul_s"] < high, gpu
+        assert low < slow.detail["attention_s"] / fast.detail["attention_s"] <= 8.0, gpu
+        assert slow.mfu < fast.mfu  # against the same (bf16 datasheet) peak
+    cpu = dataclasses.replace(make_cluster("H100", 1).gpu, name="cpu (calibrated)")
+    assert at_fp32(cpu) is cpu  # a calibrated CPU's peak is already its fp32 rate

@@ -258,7 +258,8 @@ def _known_gpu(name: str) -> GPU:
 # Profile values that are rates or shares of one: zero would price work as never ending.
 POSITIVE = {"gpu": ("peak_bf16_flops", "memory_gib", "hbm_gbps", "sms", "intra_gbps", "inter_gbps", "matmul_eff",
                     "attn_eff", "hbm_eff"),
-            "links": ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff", "inter_eff"),
+            "links": ("gpus_per_node", "intra_gbps", "inter_gbps", "intra_eff", "inter_eff", "all_gather_ratio",
+                      "reduce_scatter_ratio"),
             "stack": ("kernel_eff", "attention_eff", "eager_elementwise_scale")}
 
 

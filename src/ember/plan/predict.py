@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from ember.config import ConfigError
 from ember.cost import matmul_params, model_flops_per_token, recompute_flops_per_token
+from ember.hardware import at_fp32
 from ember.layout import ZERO_BUBBLE, Layout
 from ember.plan import comm, overlap, uncertainty
 from ember.plan.cluster import Cluster
@@ -236,6 +237,8 @@ def _as_scheduled(cluster: Cluster, lo: Layout) -> Cluster:
 
 def predict(model, cluster: Cluster, shape: TrainShape, lo: Layout) -> Prediction:
     cluster = _as_scheduled(cluster, lo)
+    if shape.precision == "fp32":
+        cluster = replace(cluster, gpu=at_fp32(cluster.gpu))
     links, gpu, stack = cluster.links, cluster.gpu, cluster.stack
     check_precision(gpu, shape.precision)
     groups = comm.groups(lo.tp, lo.dp_shard, lo.dp_replicate, lo.pp, links.gpus_per_node, lo.cp)
