@@ -230,3 +230,15 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(dataset, tmp_path, caps
     closed.close()
     assert code == 128 + signal.SIGPIPE
     assert "error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--model", "gpt2-small", "--gpu", "H100", "--inter-bw", "abc"], "argument --inter-bw: invalid float"),
+    (["plan", "calibrate", "--out", "p.json", "--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+    (["train", "configs/tiny-gpt.toml"], "the following arguments are required: --data, --out"),
+])
+def test_argument_mistakes_are_one_sentence_too(capsys, argv, words):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and err.count("\n") == 1 and "usage:" not in err, err

@@ -85,8 +85,17 @@ def _cmd_report(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's refusals as every other refusal of ember's: one sentence and exit status 2,
+    without its usage block (the verb's --help has it). Every verb's parser is one of these:
+    add_subparsers makes its parsers of the parent's class."""
+
+    def error(self, message: str):
+        self.exit(2, f"ember: error: {message} (see `{self.prog} --help`).\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember", description="Pretrain transformer language models.")
+    parser = _Parser(prog="ember", description="Pretrain transformer language models.")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     from ember.data.command import register_data

@@ -29,6 +29,7 @@ def test_parse_full_form():
     ("tp=0", "positive whole number"), ("recompute=some", "recompute must be one of"),
     ("schedule=zigzag", "schedule must be one of"), ("zero=4", "zero must be 0, 1, 2 or 3"),
     ("dp=8,dp_shard=3", "dp (8) must equal"), ("dp=8,dp_shard=4", "needs zero"), ("sp=maybe", "sp must be 0 or 1"),
+    ("recompute_every=2", "give it with recompute=full or selective"), ("tp=3", "= 3 does not divide the 8 GPUs"),
     ("", "--layout is empty"), ("  ", "--layout is empty"), ("tp=2,,dp=4", "empty item"),
     ("tp=2,dp=4,tp=4", "gives tp twice"),
 ])

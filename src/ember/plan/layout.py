@@ -76,10 +76,13 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
                 raise ConfigError(f"--layout {key} must be a positive whole number, not {values[key]!r}.")
             ints[key] = int(values[key])
     if values.get("sp", "0") not in _TRUE + _FALSE:
-        raise ConfigError(f"--layout sp must be 0 or 1, not {values['sp']!r}.")
+        raise ConfigError(f"--layout sp must be 0 or 1 (or false or true), not {values['sp']!r}.")
     for key, choices in (("schedule", tuple(SCHEDULES)), ("recompute", RECOMPUTE)):
         if values.get(key, choices[0]) not in choices:
             raise ConfigError(f"--layout {key} must be one of {', '.join(choices)}, not {values[key]!r}.")
+    if "recompute_every" in ints and values.get("recompute", "none") == "none":
+        raise ConfigError("--layout recompute_every says which blocks recompute; give it with recompute=full or "
+                          "selective, or leave it out.")
     tp, pp, cp = (ints.get(k, 1) for k in ("tp", "pp", "cp"))
     vpp = ints.get("vpp", 2 if values.get("schedule") == "zbv" else 1)
     zero = ints.get("zero", 0)
@@ -90,6 +93,9 @@ def parse_layout(text: str, n_gpus: int) -> Layout:
     elif "dp_shard" in ints and "dp_replicate" in ints:
         dp = ints["dp_shard"] * ints["dp_replicate"]
     else:
+        if n_gpus % (tp * cp * pp):
+            raise ConfigError(f"--layout tp x cp x pp = {tp} x {cp} x {pp} = {tp * cp * pp} does not divide the "
+                              f"{n_gpus} GPUs; the data-parallel ranks are what is left.")
         dp = max(1, n_gpus // (tp * cp * pp))
     if zero:  # shard over every data-parallel rank unless told otherwise
         shard = ints.get("dp_shard", dp // ints.get("dp_replicate", 1))
