@@ -32,6 +32,22 @@ def test_no_train_command_for_a_layout_embers_trainer_refuses(capsys):
     assert any("ember's trainer refuses this layout" in note for note in out["notes"])
 
 
+def test_what_embers_trainer_refuses_is_said_also_for_a_layout_that_does_not_fit(capsys):
+    out = plan_json(capsys, ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch", "64",
+                             "--seq-len", "8192", "--layout", "cp=2,dp=4"])
+    assert not out["fits"] and out["command"] is None
+    assert any("ember's trainer refuses this layout" in note for note in out["notes"]), out["notes"]
+
+
+def test_a_layout_given_twice_is_ranked_once_and_top_cuts_the_table(capsys):
+    args = LLAMA + ["--layout", "tp=2,dp=4,zero=1", "--layout", "tp=2,dp=4,zero=1", "--layout", "tp=4,dp=2,zero=1",
+                    "--layout", "tp=8,zero=0"]
+    assert len(plan_json(capsys, args)["ranked"]) == 3
+    assert main(args + ["--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "3 layouts given" in out and "tp=2" in out and "tp=8" not in out.split("train with")[0].split("given")[1]
+
+
 def test_another_stacks_layouts_get_no_note_about_a_command_they_do_not_have(capsys):
     base = ["plan", "--model", "llama3-8b", "--gpu", "H100", "--gpus", "8", "--global-batch", "64", "--stack",
             "megatron", "--layout", "tp=2,dp=4,zero=1,recompute=full", "--layout", "tp=4,dp=2,zero=1,recompute=full"]

@@ -194,7 +194,7 @@ def run_plan(args) -> int:
     if not console.is_terminal:  # piped into a file or a pager: do not squeeze the table to 80 columns
         console = Console(width=160)
     if args.layout:
-        layouts = [parse_layout(text, cluster.n_gpus) for text in args.layout]
+        layouts = list(dict.fromkeys(parse_layout(text, cluster.n_gpus) for text in args.layout))  # once each
         for layout in layouts:  # every one checked before any is priced
             found = problems(layout, model, shape.global_batch, cluster.n_gpus, ember=False)
             if found:
@@ -207,7 +207,9 @@ def run_plan(args) -> int:
         # A train command only for what ember's trainer runs; the notes say why there is none.
         trainable = p.fits and not problems(p.layout, model, shape.global_batch, cluster.n_gpus, ember=True)
         command = _command(p, model, recipe, cluster, shape, args.set) if trainable else None
-        notes = report.command_notes(model, recipe, p.layout, shape, command is not None) if p.fits else []
+        # What ember's trainer refuses is said whether or not the layout fits: a user who
+        # makes it fit by other settings would learn it only then.
+        notes = report.command_notes(model, recipe, p.layout, shape, command is not None and p.fits)
         if not p.fits:
             which = "the layout does not fit" if len(layouts) == 1 else "none of the layouts fits"
             notes.append(f"{which} in the {p.memory.capacity / 2**30:.1f} GiB a GPU has for training, "
@@ -228,7 +230,7 @@ def run_plan(args) -> int:
             unfit = sum(not q.fits for q in ranked)
             report.print_text(console, f"{len(layouts)} layouts given; fastest first" + (
                 f", then the {unfit} that do not fit" if 0 < unfit < len(ranked) else ""))
-        console.print(report.table(ranked))
+        console.print(report.table(ranked[: args.top]))
         lead = "\n" if len(layouts) == 1 else "\ntrain with the fastest of them:\n"
         report.print_text(console, report.memory_line(p) + (lead + command if command else ""))
         for note in notes:
