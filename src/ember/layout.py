@@ -247,8 +247,10 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
         return [f"parallel.schedule={lo.schedule!r} is not one of {', '.join(SCHEDULES)}"]
     multi = SCHEDULES[lo.schedule][0]
     out = []
-    if lo.vpp > 1 and lo.pp == 1:
-        out.append("parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1")
+    if lo.vpp > 1 and lo.pp == 1:  # zbv's two stages per rank are a vpp of 2 the user need not give
+        out.append(f"parallel.schedule={lo.schedule!r} runs {lo.vpp} stages on each pipeline rank, so it needs "
+                   f"parallel.pp > 1" if multi and lo.schedule == "zbv" else
+                   "parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1")
     if lo.stage_layers and lo.pp == 1:
         out.append("parallel.stage_layers splits the layers over pipeline stages, so it needs parallel.pp > 1")
     if lo.pp == 1:

@@ -155,3 +155,9 @@ def test_a_zero_bubble_layout_is_priced_and_trained_uncompiled(capsys):
                                      "64", "--seq-len", "4096", "--layout",
                                      "tp=2,sp=1,pp=4,schedule=interleaved,vpp=2,dp=1,mbs=1,recompute=full"])
     assert "train.compile" not in interleaved["command"]
+
+
+def test_zbv_without_a_pipeline_names_the_schedule_not_a_vpp_never_given(capsys):
+    assert main(LLAMA + ["--layout", "schedule=zbv"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.schedule='zbv' runs 2 stages on each pipeline rank, so it needs parallel.pp > 1" in err
