@@ -11,7 +11,7 @@ from ember.cli import main
 from ember.config import ConfigError
 from ember.hardware import ShapeTimes, gpu_by_name
 from ember.plan.cluster import make_cluster, read_profile, write_profile
-from ember.plan.kernels import MAX_TIMED_S, priced_shapes
+from ember.plan.kernels import MAX_TIMED_ATTENTION_S, MAX_TIMED_S, priced_shapes
 from ember.plan.layout import TrainShape
 from ember.plan.models import PRESETS, resolve_model
 from ember.plan.predict import predict
@@ -83,6 +83,12 @@ def test_the_recorded_attention_is_every_attention_a_prediction_prices():
     for p in search(model, cluster, shape).ranked[:40]:
         with_table = predict(model, timed, shape, p.layout)
         assert with_table.detail["attention_s"] == pytest.approx(2 * p.detail["attention_s"], rel=1e-9), p.layout
+
+
+def test_attention_is_timed_up_to_its_own_longer_cap():
+    model, cluster, shape = PRESETS["llama3-8b"], make_cluster("H100", 8), TrainShape(8192, 512)
+    modelled = [flash_s(*s, cluster.gpu) for s in priced_shapes(model, cluster, shape)[1]]
+    assert max(modelled) <= MAX_TIMED_ATTENTION_S and any(t > MAX_TIMED_S for t in modelled)
 
 
 def test_a_profile_keeps_its_matmul_times(tmp_path):
