@@ -110,26 +110,30 @@ def block_micro_batch(model, cluster, shape: TrainShape) -> int:
     return (result.ranked or result.too_big)[0].layout.micro_batch
 
 
-def block_rest_s(step, device: torch.device, passes: int = 5) -> float:
+def block_rest_s(step, device: torch.device, passes: int = 5, bursts: int = 3) -> float:
     """Seconds per call of `step` (a block's forward and backward) spent outside its matmuls
     and attention: the PyTorch profiler's self time of every other operator, on the device's
     clock for a GPU (its kernels), on the host's for a CPU (where an operator's time includes
     the dispatcher's). Measured directly rather than as the block less its timed matmuls: on
-    a small model the rest is a tenth of the block, less than the timings' noise."""
+    a small model the rest is a tenth of the block, less than the timings' noise. The median
+    of `bursts` bursts of `passes` calls: on a shared machine (the other ranks of a
+    calibration on the same cores) one burst's rest moved by half."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(passes):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    rest = sum(getattr(event, field) for event in prof.key_averages()
-               if event.key not in MATMUL_OPS and "scaled_dot_product" not in event.key)
-    return rest / 1e6 / passes
+    rests = []
+    for _ in range(bursts):
+        with profile(activities=activities) as prof:
+            for _ in range(passes):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        rests.append(sum(getattr(event, field) for event in prof.key_averages()
+                         if event.key not in MATMUL_OPS and "scaled_dot_product" not in event.key) / 1e6 / passes)
+    return sorted(rests)[len(rests) // 2]
 
 
 # The operators a block's matmuls run as (linear and matmul dispatch to these).
