@@ -330,10 +330,8 @@ def validate(config: Config) -> None:
             and d.mask_token_frac + d.random_token_frac <= 1.0):  # written so that NaN fails too
         raise ConfigError("data.mask_token_frac + data.random_token_frac must lie in [0, 1].")
     if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
-        raise ConfigError(
-            f"train.global_batch ({t.global_batch}) must be a positive multiple of "
-            f"train.micro_batch ({t.micro_batch})."
-        )
+        raise ConfigError(f"train.global_batch ({t.global_batch}) must be a positive multiple of "
+                          f"train.micro_batch ({t.micro_batch}).")
     s = config.schedule
     if s.batch_start and (s.batch_start < t.micro_batch or s.batch_start > t.global_batch):
         raise ConfigError(f"schedule.batch_start ({s.batch_start}) must lie between train.micro_batch "
@@ -342,13 +340,11 @@ def validate(config: Config) -> None:
     for name in ("warmup", "decay", "batch_ramp", "triangle_peak", "triangle_start", "min_lr_ratio"):
         if not 0.0 <= getattr(s, name) <= 1.0:
             raise ConfigError(f"schedule.{name} must be a fraction in [0, 1].")
-    # Shapes that would not end annealed, refused rather than run.
     if s.lr == "wsd" and s.warmup + s.decay > 1.0:
         raise ConfigError(f"schedule.warmup ({s.warmup:g}) + schedule.decay ({s.decay:g}) must be at most 1 for "
                           "schedule.lr = \"wsd\": its decay would start inside the warm-up.")
     if s.lr == "triangle" and s.triangle_peak >= 1.0:
-        raise ConfigError("schedule.triangle_peak must be below 1: at 1 the triangle would end at its peak "
-                          "learning rate instead of 0.")
+        raise ConfigError("schedule.triangle_peak must be below 1, or the triangle ends at its peak learning rate.")
     if len(config.optim.betas) != 2:
         raise ConfigError("optim.betas must hold two numbers, e.g. [0.9, 0.98].")
     _check_ranges(config)

@@ -182,8 +182,7 @@ def problems(layout: Layout, model, global_batch: int, world: int | None = None,
                    f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows})")
     if batch_start and batch_start % rows:
         out.append(f"schedule.batch_start ({batch_start}) must be a multiple of data-parallel ranks x "
-                   f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows}): the batch ramp grows in whole "
-                   f"batch_starts, the same steps on every layout")
+                   f"train.micro_batch ({lo.dp} x {lo.micro_batch} = {rows}), so the ramp's steps fit every layout")
     if lo.zero > 0 and lo.shard_ranks == 1:
         out.append(f"parallel.zero={lo.zero} shards model states over parallel.dp_shard ranks, and dp_shard is 1, "
                    f"so it would save nothing; use parallel.zero=0 or a dp_shard above 1")
@@ -247,10 +246,9 @@ def _pipeline_problems(lo: Layout, model, global_batch: int, batch_start: int, c
         return [f"parallel.schedule={lo.schedule!r} is not one of {', '.join(SCHEDULES)}"]
     multi = SCHEDULES[lo.schedule][0]
     out = []
-    if lo.vpp > 1 and lo.pp == 1:  # zbv's two stages per rank are a vpp of 2 the user need not give
-        out.append(f"parallel.schedule={lo.schedule!r} runs {lo.vpp} stages on each pipeline rank, so it needs "
-                   f"parallel.pp > 1" if multi and lo.schedule == "zbv" else
-                   "parallel.vpp > 1 splits pipeline stages, so it needs parallel.pp > 1")
+    if lo.vpp > 1 and lo.pp == 1:  # zbv's vpp of 2 is its own, not one the user gave
+        name = f"parallel.schedule={lo.schedule!r}" if lo.schedule == "zbv" else "parallel.vpp > 1"
+        out.append(f"{name} splits each pipeline rank into {lo.vpp} stages, so it needs parallel.pp > 1")
     if lo.stage_layers and lo.pp == 1:
         out.append("parallel.stage_layers splits the layers over pipeline stages, so it needs parallel.pp > 1")
     if lo.pp == 1:

@@ -160,4 +160,4 @@ def test_a_zero_bubble_layout_is_priced_and_trained_uncompiled(capsys):
 def test_zbv_without_a_pipeline_names_the_schedule_not_a_vpp_never_given(capsys):
     assert main(LLAMA + ["--layout", "schedule=zbv"]) == 2
     err = capsys.readouterr().err
-    assert "parallel.schedule='zbv' runs 2 stages on each pipeline rank, so it needs parallel.pp > 1" in err
+    assert "parallel.schedule='zbv' splits each pipeline rank into 2 stages, so it needs parallel.pp > 1" in err

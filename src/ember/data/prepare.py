@@ -32,7 +32,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from ember.atomic import TMP_SUFFIX, write_text
 from ember.data.clean import CleanConfig, transform
@@ -270,12 +269,10 @@ def prepare(inputs: list, out_dir: Path, tokenizer: str = "bpe", vocab_size: int
     dtype = token_dtype(vocab)
     if shard_size is not None:
         shard_sequences = shard_sequences_for(shard_size, seq_len, np.dtype(dtype).itemsize)
-    # The workers encode cleaned text; the file also carries the cleaning's transforms for
-    # text that was never cleaned (they are idempotent, so the ids are the same either way,
-    # and a byte-level BPE without a normaliser keeps the workers' fast path).
+    # The workers encode cleaned text; the file also carries the (idempotent) cleaning for text
+    # never cleaned. Without it the workers keep byte-level BPE's fast path (no normaliser).
     work_text = tok.to_str(pretty=True)
-    tokenizer_text = (with_cleaning(Tokenizer.from_str(work_text), clean).to_str(pretty=True)
-                      if state is None and kind in KINDS else work_text)
+    tokenizer_text = with_cleaning(tok, clean).to_str(pretty=True) if state is None and kind in KINDS else work_text
     if kind == "file" and state is None:  # a trained tokenizer's leftovers are this command's own: redo them
         _refuse_other_tokenizer(out_dir, tokenizer_text)
 

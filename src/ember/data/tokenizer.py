@@ -72,7 +72,7 @@ def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int,
 
 
 def with_cleaning(tok: Tokenizer, clean) -> Tokenizer:
-    """`tok` with the cleaning's text transforms (data/clean.py: `normalize`, `strip_accents`,
+    """A copy of `tok` with the cleaning's text transforms (data/clean.py: `normalize`, `strip_accents`,
     `lowercase`, `ascii_only`, in that order) ahead of its own normaliser. Its training
     text went through them; text it meets later (GLUE, the users of an exported model)
     does not, and without them "ＡＢＣ" would be [UNK] where the training text had "ABC".
@@ -88,6 +88,7 @@ def with_cleaning(tok: Tokenizer, clean) -> Tokenizer:
         steps.append(normalizers.Lowercase())
     if clean.ascii_only:
         steps.append(normalizers.Replace(Regex("[^\\x00-\\x7f]"), ""))
+    tok = Tokenizer.from_str(tok.to_str())
     if steps:
         tok.normalizer = normalizers.Sequence(steps + ([tok.normalizer] if tok.normalizer is not None else []))
     return tok

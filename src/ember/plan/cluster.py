@@ -19,9 +19,8 @@ from the GPU's typical node, the stack from the defaults below. The number of GP
 part of a profile: one profile describes every size of the same cluster. `ember plan
 calibrate` (plan/calibrate.py) adds a "measured" section with the raw measurements (matmul
 rates by shape, bus bandwidth by message size), which the planner does not read; with
-`--model` it adds "matmuls" and "attention", the measured seconds of that model's matmul
-and attention shapes, and the stack's `eager_elementwise_scale` from one of its blocks
-(plan/kernels.py), which it does.
+`--model` it adds "matmuls" and "attention" (that model's shapes, timed) and the stack's
+`eager_elementwise_scale` (from one of its blocks; plan/kernels.py), which it does.
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ class Stack:
     # Whether the host issues work while the device computes (a GPU), or shares its cores
     # with the compute so that their times add (a CPU; a calibrated CPU profile says so).
     host_overlaps: bool = True
-    # What an uncompiled ember block's work outside matmuls and attention takes over its
-    # elementwise price, measured by `ember plan calibrate --model` (plan/kernels.py).
+    # An uncompiled ember block's work outside matmuls and attention over its price (plan/kernels.py).
     eager_elementwise_scale: float = 1.0
     # Share of the GPU table's matmul and attention rates this stack's kernels reach
     # (1.0 for ember, whose rates `ember plan calibrate` measures; fitted for the others).
@@ -162,22 +160,19 @@ class Stack:
     # the slowest pass in it (plan/predict.py: lockstep_s). False: Megatron-LM's and
     # PyTorch's 1F1B, where a stage starts its next pass as soon as its input is there.
     pipeline_lockstep: bool = False
-    # Whether sequence parallelism's all-gathers and reduce-scatters run beside the matmuls
-    # that consume or produce them, chunk by chunk (Megatron-Core's --tp-comm-overlap with
-    # Transformer Engine's userbuffers; torchtitan's async TP). False: each collective waits
-    # for the matmul before it and the matmul after it waits for the collective.
+    # Whether sequence parallelism's all-gathers and reduce-scatters run beside the matmuls that
+    # consume or produce them, chunk by chunk (Megatron-Core's --tp-comm-overlap with Transformer
+    # Engine's userbuffers; torchtitan's async TP). False: collectives and matmuls take turns.
     overlap_tp_comm: bool = False
-    # Whether RMSNorm, the rotary embedding and the gated activation each run as one kernel
-    # (torch.compile, Megatron-Core's and Transformer Engine's fused kernels; LayerNorm and
-    # GELU are single kernels even in eager PyTorch). False: eager PyTorch's composites, which
-    # pass fp32 intermediates through memory (plan/timing.py: eager_elementwise).
+    # Whether RMSNorm, rotary and the gated activation each run as one kernel (torch.compile,
+    # Megatron-Core's and Transformer Engine's; LayerNorm and GELU are one even eager). False:
+    # eager PyTorch's composites, fp32 intermediates through memory (plan/eager.py).
     fused_elementwise: bool = True
 
     @property
     def eager_blocks(self) -> bool:
-        """Whether the blocks run eager PyTorch's composites: a stack without fused kernels,
-        or ember's trainer uncompiled on a CPU (whose time the calibration's measured
-        `eager_elementwise_scale` holds, so only memory adds what they keep)."""
+        """Whether the blocks run eager PyTorch's composites: a stack without fused kernels, or ember
+        uncompiled on a CPU (whose time `eager_elementwise_scale` holds: only memory adds them)."""
         return not self.fused_elementwise or (self.name == "ember" and not (self.compiled or self.host_overlaps))
 
     def refusal(self, layout) -> str | None:

@@ -214,8 +214,7 @@ class Trainer:
         clock, throughput = Clock(self.topo, progress.elapsed_s), Throughput(self.device, self.peak)
         self.evaluate.every = Every(parse_interval(t.eval_every, "train.eval_every"), progress)
         checkpoints = Every(parse_interval(t.checkpoint_every, "train.checkpoint_every"), progress)
-        self.last_loss = self.last_val = float("nan")
-        self.last_val_step: int | None = None
+        self.last_loss, self.last_val, self.last_val_step = float("nan"), float("nan"), None
         # Where the schedule was last read. The time a step is expected to take is the last
         # one's; a step slower than the next (a busy host, a compile) must not send the
         # schedule back.
@@ -337,8 +336,7 @@ class Trainer:
                 "special_tokens": self.manifest["special_tokens"],
                 "eval_batches": self.cfg.train.eval_batches, "eval_rows": self.eval_rows}
         write_text(self.run_dir / "data.json", json.dumps(data, indent=1))
-        # Until this run ends, an earlier run's summary (a finished run resumed to train on)
-        # would describe weights and steps that no longer hold.
+        # Until this run ends, a finished run's summary (resumed to train on) would no longer hold.
         write_text(self.run_dir / "summary.json", json.dumps(
             {"status": "running or killed", "run_dir": str(self.run_dir),
              "unigram_entropy": self.manifest.get("unigram_entropy")}, indent=1))
@@ -347,7 +345,8 @@ class Trainer:
         summary = {
             "status": status, "steps": progress.step, "tokens": progress.tokens,
             "elapsed_s": round(progress.elapsed_s, 2), "train_loss": self.last_loss,
-            "val_loss": self.last_val, "val_step": self.last_val_step, "unigram_entropy": self.manifest.get("unigram_entropy"),
+            "val_loss": self.last_val, "val_step": self.last_val_step,
+            "unigram_entropy": self.manifest.get("unigram_entropy"),
             "tokens_per_s": progress.tokens / max(progress.elapsed_s, 1e-9),
             "device": device_name(self.device), "run_dir": str(self.run_dir),
             "world_size": self.world, "peak_memory_gib": round(self.peak_memory_gib(), 3),
